@@ -1,0 +1,40 @@
+//! Errors of checkpoint IO and model construction, each naming the file or tensor at fault.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{path}: key `{key}`: {expected}")]
+    ConfigKey {
+        path: PathBuf,
+        key: String,
+        expected: String,
+    },
+    #[error("checkpoint is missing tensor `{0}`")]
+    MissingTensor(String),
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    TensorShape {
+        name: String,
+        got: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("{path}: {source}")]
+    Safetensors {
+        path: PathBuf,
+        source: candle_core::Error,
+    },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;
