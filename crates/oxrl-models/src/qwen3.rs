@@ -228,6 +228,11 @@ impl Qwen3 {
         response_ids: &[u32],
         temperature: f64,
     ) -> candle_core::Result<Vec<f32>> {
+        if prompt_ids.is_empty() || response_ids.is_empty() {
+            return Err(candle_core::Error::Msg(
+                "scoring needs at least one prompt token and one response token".into(),
+            ));
+        }
         let ids: Vec<u32> = prompt_ids.iter().chain(response_ids).copied().collect();
         let input = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
         let logits = self.forward(&input)?.squeeze(0)?;
