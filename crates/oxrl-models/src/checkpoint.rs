@@ -55,3 +55,149 @@ pub fn load_tensors(dir: &Path, dtype: DType, device: &Device) -> Result<HashMap
     }
     Ok(tensors)
 }
+
+/// Files beside the weights that a checkpoint directory carries through unchanged.
+pub const SIDE_FILES: [&str; 11] = [
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+];
+
+/// Largest safetensors file written before the weights are split into shards (transformers' 5 GB).
+pub const MAX_SHARD_BYTES: usize = 5_000_000_000;
+
+/// transformers' name of a dtype in `config.json`.
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F64 => "float64",
+        _ => "float32",
+    }
+}
+
+fn io_err(path: &Path) -> impl Fn(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Writes `bytes` to `path` and flushes them to disk.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::File::create(path).map_err(io_err(path))?;
+    std::io::Write::write_all(&mut f, bytes).map_err(io_err(path))?;
+    f.sync_all().map_err(io_err(path))
+}
+
+/// Writes a Hugging Face checkpoint directory atomically: everything goes into a temporary sibling
+/// directory, is fsynced, and only then renamed to `out`, so a crash never leaves a half
+/// checkpoint under the final name. An existing `out` is replaced.
+///
+/// `tensors` are saved under their names (split into shards listed by an index when they pass
+/// `max_shard_bytes`),
+/// `config` becomes `config.json`, and the [`SIDE_FILES`] present in `copy_from` are copied.
+pub fn save_checkpoint(
+    out: &Path,
+    tensors: &[(String, Tensor)],
+    config: &serde_json::Value,
+    copy_from: Option<&Path>,
+    max_shard_bytes: usize,
+) -> Result<()> {
+    let name = out
+        .file_name()
+        .ok_or_else(|| {
+            ModelError::InvalidInput(format!("{}: not a directory name", out.display()))
+        })?
+        .to_string_lossy()
+        .to_string();
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+
+    let mut shards: Vec<Vec<&(String, Tensor)>> = vec![Vec::new()];
+    let mut shard_bytes = 0;
+    for entry in tensors {
+        let bytes = entry.1.elem_count() * entry.1.dtype().size_in_bytes();
+        if shard_bytes + bytes > max_shard_bytes && !shards.last().is_some_and(Vec::is_empty) {
+            shards.push(Vec::new());
+            shard_bytes = 0;
+        }
+        shard_bytes += bytes;
+        if let Some(shard) = shards.last_mut() {
+            shard.push(entry);
+        }
+    }
+    let n = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    let mut total_size = 0;
+    for (i, shard) in shards.iter().enumerate() {
+        let file = match n {
+            1 => "model.safetensors".to_string(),
+            _ => format!("model-{:05}-of-{n:05}.safetensors", i + 1),
+        };
+        let map: HashMap<String, Tensor> =
+            shard.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+        for (k, t) in &map {
+            weight_map.insert(k.clone(), file.clone().into());
+            total_size += t.elem_count() * t.dtype().size_in_bytes();
+        }
+        let path = tmp.join(&file);
+        candle_core::safetensors::save(&map, &path).map_err(|source| ModelError::Safetensors {
+            path: path.clone(),
+            source,
+        })?;
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(io_err(&path))?;
+    }
+    if n > 1 {
+        let index =
+            serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": weight_map});
+        let path = tmp.join("model.safetensors.index.json");
+        write_synced(
+            &path,
+            serde_json::to_string_pretty(&index)
+                .unwrap_or_default()
+                .as_bytes(),
+        )?;
+    }
+    let path = tmp.join("config.json");
+    let text = serde_json::to_string_pretty(config).unwrap_or_default();
+    write_synced(&path, text.as_bytes())?;
+    if let Some(src) = copy_from {
+        for file in SIDE_FILES {
+            let from = src.join(file);
+            if from.exists() {
+                let bytes = std::fs::read(&from).map_err(io_err(&from))?;
+                write_synced(&tmp.join(file), &bytes)?;
+            }
+        }
+    }
+    if out.exists() {
+        let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+        std::fs::rename(out, &old).map_err(io_err(out))?;
+        std::fs::rename(&tmp, out).map_err(io_err(out))?;
+        std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
+    } else {
+        std::fs::rename(&tmp, out).map_err(io_err(out))?;
+    }
+    std::fs::File::open(parent)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(parent))
+}

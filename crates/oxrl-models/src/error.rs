@@ -33,6 +33,14 @@ pub enum ModelError {
         path: PathBuf,
         source: candle_core::Error,
     },
+    #[error("{0}")]
+    InvalidInput(String),
+    #[error("{0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("{0}")]
+    Hub(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

@@ -1,11 +1,17 @@
 //! oxrl-models: the policy models oxrl trains (Qwen3 first), read from and written to
-//! Hugging Face checkpoint directories.
+//! Hugging Face checkpoint directories, with their tokenizers and chat templates.
 
+pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod hub;
+pub mod kv_cache;
 pub mod qwen3;
+pub mod tokenizer;
 
 pub use config::Qwen3Config;
 pub use error::{ModelError, Result};
-pub use qwen3::Qwen3;
+pub use kv_cache::KvCache;
+pub use qwen3::{Qwen3, ScoreRequest};
+pub use tokenizer::{eos_token_ids, Tokenizer};

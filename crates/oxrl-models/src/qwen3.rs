@@ -1,13 +1,17 @@
 //! Qwen3 decoder (`Qwen3ForCausalLM`), per qwen3-vl-spec §1.
 //!
-//! The forward pass here is built only from candle primitives that carry a backward
-//! (no candle-nn fused rms_norm / rope / softmax_last_dim, which silently drop gradients),
-//! so the same code serves scoring and training.
+//! Two paths over the same weights give the same numbers:
+//! - the training path here ([`Qwen3::forward`], [`Qwen3::score_batch`]) is built only from candle
+//!   primitives that carry a backward (no candle-nn fused rms_norm / rope / softmax_last_dim, which
+//!   silently drop gradients), on right-padded batches;
+//! - the inference path in [`crate::kv_cache`] decodes many sequences of different lengths at once
+//!   with a per-sequence KV cache.
 
 use crate::checkpoint::load_tensors;
 use crate::config::Qwen3Config;
 use crate::error::{ModelError, Result};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, Var, D};
+use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -25,13 +29,39 @@ pub struct Layer {
     pub down_proj: Tensor,
 }
 
+impl Layer {
+    /// The layer's weights under their checkpoint names relative to `model.layers.{i}.`.
+    fn named(&self) -> [(&'static str, &Tensor); 11] {
+        [
+            ("input_layernorm.weight", &self.input_layernorm),
+            ("self_attn.q_proj.weight", &self.q_proj),
+            ("self_attn.k_proj.weight", &self.k_proj),
+            ("self_attn.v_proj.weight", &self.v_proj),
+            ("self_attn.o_proj.weight", &self.o_proj),
+            ("self_attn.q_norm.weight", &self.q_norm),
+            ("self_attn.k_norm.weight", &self.k_norm),
+            (
+                "post_attention_layernorm.weight",
+                &self.post_attention_layernorm,
+            ),
+            ("mlp.gate_proj.weight", &self.gate_proj),
+            ("mlp.up_proj.weight", &self.up_proj),
+            ("mlp.down_proj.weight", &self.down_proj),
+        ]
+    }
+}
+
 pub struct Qwen3 {
     pub config: Qwen3Config,
+    /// The checkpoint's `config.json` as read, written back on save so no key is lost.
+    pub config_json: Value,
     pub embed_tokens: Tensor,
     pub layers: Vec<Layer>,
     pub norm: Tensor,
     /// `lm_head.weight` when the checkpoint has it, otherwise the (tied) embedding.
     pub lm_head: Tensor,
+    /// True when `lm_head` is the embedding matrix (no `lm_head.weight` in the checkpoint).
+    pub tied: bool,
     pub dtype: DType,
     pub device: Device,
 }
@@ -63,7 +93,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> candle_core::Result<Te
 }
 
 /// Half-split (NeoX) rotary embedding: `x*cos + rotate_half(x)*sin`.
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
     let x1 = x.narrow(D::Minus1, 0, half)?;
     let x2 = x.narrow(D::Minus1, half, half)?;
@@ -72,19 +102,53 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// `x · wᵀ` for `x` of any rank.
-fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.broadcast_matmul(&w.t()?)
 }
 
+/// `log_softmax(logits / temperature)[targets]` per row, in f32: rows `[N, vocab]`, targets `[N]`.
+pub fn target_logprobs(
+    logits: &Tensor,
+    targets: &[u32],
+    temperature: f64,
+) -> candle_core::Result<Tensor> {
+    let logits = (logits.to_dtype(DType::F32)? / temperature)?;
+    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    let targets = Tensor::new(targets, logits.device())?.unsqueeze(1)?;
+    logp.gather(&targets, 1)?.squeeze(1)
+}
+
+/// One sequence to score: `log p(response[i] | prompt ++ response[..i])` at a temperature.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreRequest {
+    pub prompt_ids: Vec<u32>,
+    pub response_ids: Vec<u32>,
+    pub temperature: f64,
+}
+
+/// Padded tokens (batch × longest sequence) per training-path forward while scoring.
+const SCORE_BATCH_TOKENS: usize = 8192;
+
 impl Qwen3 {
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
-        let config = Qwen3Config::from_file(&dir.join("config.json"))?;
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io {
+            path: config_path.clone(),
+            source,
+        })?;
+        let config_json: Value =
+            serde_json::from_str(&text).map_err(|source| ModelError::Json {
+                path: config_path.clone(),
+                source,
+            })?;
+        let config = Qwen3Config::from_value(&config_json, &config_path)?;
         let tensors = load_tensors(dir, dtype, device)?;
-        Self::from_tensors(config, tensors, dtype, device)
+        Self::from_tensors(config, config_json, tensors, dtype, device)
     }
 
     pub fn from_tensors(
         config: Qwen3Config,
+        config_json: Value,
         mut t: HashMap<String, Tensor>,
         dtype: DType,
         device: &Device,
@@ -95,83 +159,144 @@ impl Qwen3 {
         let embed_tokens = take(&mut t, "model.embed_tokens.weight", &[c.vocab_size, d])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{l}");
+            let mut w = |name: &str, shape: &[usize]| {
+                take(&mut t, &format!("model.layers.{l}.{name}"), shape)
+            };
             layers.push(Layer {
-                input_layernorm: take(&mut t, &format!("{p}.input_layernorm.weight"), &[d])?,
-                q_proj: take(
-                    &mut t,
-                    &format!("{p}.self_attn.q_proj.weight"),
-                    &[h * hd, d],
-                )?,
-                k_proj: take(
-                    &mut t,
-                    &format!("{p}.self_attn.k_proj.weight"),
-                    &[kv * hd, d],
-                )?,
-                v_proj: take(
-                    &mut t,
-                    &format!("{p}.self_attn.v_proj.weight"),
-                    &[kv * hd, d],
-                )?,
-                o_proj: take(
-                    &mut t,
-                    &format!("{p}.self_attn.o_proj.weight"),
-                    &[d, h * hd],
-                )?,
-                q_norm: take(&mut t, &format!("{p}.self_attn.q_norm.weight"), &[hd])?,
-                k_norm: take(&mut t, &format!("{p}.self_attn.k_norm.weight"), &[hd])?,
-                post_attention_layernorm: take(
-                    &mut t,
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    &[d],
-                )?,
-                gate_proj: take(&mut t, &format!("{p}.mlp.gate_proj.weight"), &[i, d])?,
-                up_proj: take(&mut t, &format!("{p}.mlp.up_proj.weight"), &[i, d])?,
-                down_proj: take(&mut t, &format!("{p}.mlp.down_proj.weight"), &[d, i])?,
+                input_layernorm: w("input_layernorm.weight", &[d])?,
+                q_proj: w("self_attn.q_proj.weight", &[h * hd, d])?,
+                k_proj: w("self_attn.k_proj.weight", &[kv * hd, d])?,
+                v_proj: w("self_attn.v_proj.weight", &[kv * hd, d])?,
+                o_proj: w("self_attn.o_proj.weight", &[d, h * hd])?,
+                q_norm: w("self_attn.q_norm.weight", &[hd])?,
+                k_norm: w("self_attn.k_norm.weight", &[hd])?,
+                post_attention_layernorm: w("post_attention_layernorm.weight", &[d])?,
+                gate_proj: w("mlp.gate_proj.weight", &[i, d])?,
+                up_proj: w("mlp.up_proj.weight", &[i, d])?,
+                down_proj: w("mlp.down_proj.weight", &[d, i])?,
             });
         }
         let norm = take(&mut t, "model.norm.weight", &[d])?;
-        let lm_head = match t.remove("lm_head.weight") {
-            Some(w) => w,
-            None => embed_tokens.clone(),
+        let (lm_head, tied) = match t.contains_key("lm_head.weight") {
+            true => (take(&mut t, "lm_head.weight", &[c.vocab_size, d])?, false),
+            false => (embed_tokens.clone(), true),
         };
         Ok(Self {
             config,
+            config_json,
             embed_tokens,
             layers,
             norm,
             lm_head,
+            tied,
             dtype,
             device: device.clone(),
         })
     }
 
-    /// cos/sin tables `[S, hd]` for positions `0..seq_len`, computed in f32.
-    fn rope_tables(&self, seq_len: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    /// Every distinct weight under its checkpoint name (cheap handle clones); a tied `lm_head`
+    /// is not listed, as transformers leaves it out of the safetensors files.
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            self.embed_tokens.clone(),
+        )];
+        for (l, layer) in self.layers.iter().enumerate() {
+            for (name, t) in layer.named() {
+                out.push((format!("model.layers.{l}.{name}"), t.clone()));
+            }
+        }
+        out.push(("model.norm.weight".to_string(), self.norm.clone()));
+        if !self.tied {
+            out.push(("lm_head.weight".to_string(), self.lm_head.clone()));
+        }
+        out
+    }
+
+    /// Turns every weight into a candle `Var` so a backward pass reaches it (a tied `lm_head`
+    /// shares the embedding's var); returns the vars by checkpoint name.
+    pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
+        let mut vars = Vec::new();
+        let mut tensors = HashMap::new();
+        for (name, t) in self.named_parameters() {
+            let var = Var::from_tensor(&t)?;
+            tensors.insert(name.clone(), var.as_tensor().clone());
+            vars.push((name, var));
+        }
+        let config_json = std::mem::take(&mut self.config_json);
+        *self = Self::from_tensors(
+            self.config.clone(),
+            config_json,
+            tensors,
+            self.dtype,
+            &self.device,
+        )?;
+        Ok(vars)
+    }
+
+    /// cos/sin tables `[positions.len(), hd]`, computed in f32 then cast to the model dtype.
+    pub(crate) fn rope_tables(&self, positions: &[u32]) -> candle_core::Result<(Tensor, Tensor)> {
         let hd = self.config.head_dim;
-        let theta = self.config.rope_theta;
+        let theta = self.config.rope_theta as f32;
         let inv_freq: Vec<f32> = (0..hd / 2)
-            .map(|i| 1.0 / (theta as f32).powf(2.0 * i as f32 / hd as f32))
+            .map(|i| 1.0 / theta.powf(2.0 * i as f32 / hd as f32))
             .collect();
-        let inv = Tensor::from_vec(inv_freq, (1, hd / 2), &self.device)?;
-        let pos = Tensor::arange(0u32, seq_len as u32, &self.device)?
-            .to_dtype(DType::F32)?
-            .reshape((seq_len, 1))?;
-        let freqs = pos.broadcast_mul(&inv)?;
-        let emb = Tensor::cat(&[&freqs, &freqs], 1)?;
+        let mut emb = Vec::with_capacity(positions.len() * hd);
+        for &p in positions {
+            let freqs = inv_freq.iter().map(|f| p as f32 * f);
+            emb.extend(freqs.clone());
+            emb.extend(freqs);
+        }
+        let emb = Tensor::from_vec(emb, (positions.len(), hd), &self.device)?;
         Ok((
             emb.cos()?.to_dtype(self.dtype)?,
             emb.sin()?.to_dtype(self.dtype)?,
         ))
     }
 
-    /// Logits `[B, S, vocab]` for right-padded `input_ids` `[B, S]` under causal attention:
-    /// a real token only sees earlier positions, so padding after it cannot change its logits.
-    pub fn forward(&self, input_ids: &Tensor) -> candle_core::Result<Tensor> {
+    /// Q, K (normed and rotated) and V of one layer for rows `xn [.., S, D]` → `[.., S, heads, hd]`.
+    pub(crate) fn qkv(
+        &self,
+        layer: &Layer,
+        xn: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let c = &self.config;
+        let (h, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let mut shape = xn.dims().to_vec();
+        shape.pop();
+        let split = |t: Tensor, heads: usize| {
+            let mut s = shape.clone();
+            s.extend([heads, hd]);
+            t.reshape(s)
+        };
+        let q = split(linear(xn, &layer.q_proj)?, h)?;
+        let k = split(linear(xn, &layer.k_proj)?, kv)?;
+        let v = split(linear(xn, &layer.v_proj)?, kv)?;
+        // cos/sin are [S, hd]; heads sit between S and hd.
+        let (cos, sin) = (cos.unsqueeze(D::Minus2)?, sin.unsqueeze(D::Minus2)?);
+        let q = rope(&rms_norm(&q, &layer.q_norm, c.rms_norm_eps)?, &cos, &sin)?;
+        let k = rope(&rms_norm(&k, &layer.k_norm, c.rms_norm_eps)?, &cos, &sin)?;
+        Ok((q, k, v))
+    }
+
+    /// The residual stream after the SwiGLU MLP block: `x + down(silu(gate(n(x))) * up(n(x)))`.
+    pub(crate) fn mlp_block(&self, layer: &Layer, x: &Tensor) -> candle_core::Result<Tensor> {
+        let xn = rms_norm(x, &layer.post_attention_layernorm, self.config.rms_norm_eps)?;
+        let gate = candle_nn::ops::silu(&linear(&xn, &layer.gate_proj)?)?;
+        let up = linear(&xn, &layer.up_proj)?;
+        x + linear(&(gate * up)?, &layer.down_proj)?
+    }
+
+    /// Final-norm hidden states `[B, S, D]` for right-padded `input_ids` `[B, S]` under causal
+    /// attention: a real token only sees earlier positions, so padding after it changes nothing.
+    pub fn forward_hidden(&self, input_ids: &Tensor) -> candle_core::Result<Tensor> {
         let (b, s) = input_ids.dims2()?;
         let c = &self.config;
         let (h, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let (cos, sin) = self.rope_tables(s)?;
+        let positions: Vec<u32> = (0..s as u32).collect();
+        let (cos, sin) = self.rope_tables(&positions)?;
         let mask: Vec<f32> = (0..s)
             .flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
             .collect();
@@ -181,16 +306,9 @@ impl Qwen3 {
             .index_select(&input_ids.flatten_all()?, 0)?
             .reshape((b, s, c.hidden_size))?;
         for layer in &self.layers {
-            let r = x.clone();
             let xn = rms_norm(&x, &layer.input_layernorm, c.rms_norm_eps)?;
-            let q = linear(&xn, &layer.q_proj)?.reshape((b, s, h, hd))?;
-            let k = linear(&xn, &layer.k_proj)?.reshape((b, s, kv, hd))?;
-            let v = linear(&xn, &layer.v_proj)?.reshape((b, s, kv, hd))?;
-            let q = rms_norm(&q, &layer.q_norm, c.rms_norm_eps)?.transpose(1, 2)?;
-            let k = rms_norm(&k, &layer.k_norm, c.rms_norm_eps)?.transpose(1, 2)?;
-            let q = rope(&q, &cos, &sin)?;
-            let k = rope(&k, &cos, &sin)?;
-            let v = v.transpose(1, 2)?;
+            let (q, k, v) = self.qkv(layer, &xn, &cos, &sin)?;
+            let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
             let n_rep = h / kv;
             let (k, v) = if n_rep == 1 {
                 (k, v)
@@ -210,39 +328,129 @@ impl Qwen3 {
                 .matmul(&v.contiguous()?)?
                 .transpose(1, 2)?
                 .reshape((b, s, h * hd))?;
-            x = (r + linear(&attn, &layer.o_proj)?)?;
-            let r = x.clone();
-            let xn = rms_norm(&x, &layer.post_attention_layernorm, c.rms_norm_eps)?;
-            let gate = candle_nn::ops::silu(&linear(&xn, &layer.gate_proj)?)?;
-            let up = linear(&xn, &layer.up_proj)?;
-            x = (r + linear(&(gate * up)?, &layer.down_proj)?)?;
+            x = (x + linear(&attn, &layer.o_proj)?)?;
+            x = self.mlp_block(layer, &x)?;
         }
-        let x = rms_norm(&x, &self.norm, c.rms_norm_eps)?;
-        linear(&x, &self.lm_head)
+        rms_norm(&x, &self.norm, c.rms_norm_eps)
     }
 
-    /// `log p(response[i] | prompt ++ response[..i])` under logits divided by `temperature`.
-    pub fn score(
-        &self,
-        prompt_ids: &[u32],
-        response_ids: &[u32],
-        temperature: f64,
-    ) -> candle_core::Result<Vec<f32>> {
-        if prompt_ids.is_empty() || response_ids.is_empty() {
-            return Err(candle_core::Error::Msg(
-                "scoring needs at least one prompt token and one response token".into(),
-            ));
+    /// Logits `[B, S, vocab]` for right-padded `input_ids` `[B, S]` (training path).
+    pub fn forward(&self, input_ids: &Tensor) -> candle_core::Result<Tensor> {
+        linear(&self.forward_hidden(input_ids)?, &self.lm_head)
+    }
+
+    /// Checks that every id is inside the vocabulary and the sequence fits the model's positions.
+    pub fn validate_ids(&self, ids: &[u32], what: &str) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::InvalidInput(format!(
+                "{what}: token id {bad} is outside the vocabulary (size {vocab})"
+            )));
         }
-        let ids: Vec<u32> = prompt_ids.iter().chain(response_ids).copied().collect();
-        let input = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
-        let logits = self.forward(&input)?.squeeze(0)?;
-        let p = prompt_ids.len();
-        let logits = logits
-            .narrow(0, p - 1, response_ids.len())?
-            .to_dtype(DType::F32)?;
-        let logits = (logits / temperature)?;
-        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let targets = Tensor::new(response_ids, &self.device)?.unsqueeze(1)?;
-        logp.gather(&targets, 1)?.squeeze(1)?.to_vec1::<f32>()
+        let max = self.config.max_position_embeddings;
+        if ids.len() > max {
+            return Err(ModelError::InvalidInput(format!(
+                "{what}: {} tokens exceed the model's {max} positions (max_position_embeddings)",
+                ids.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Per-token log-probabilities of each request's response, in request order. Requests are
+    /// batched (right-padded) through the training path, so these are the numbers training sees.
+    pub fn score_batch(&self, requests: &[ScoreRequest]) -> Result<Vec<Vec<f32>>> {
+        for (i, r) in requests.iter().enumerate() {
+            if r.prompt_ids.is_empty() || r.response_ids.is_empty() {
+                return Err(ModelError::InvalidInput(format!(
+                    "request {i}: scoring needs at least one prompt token and one response token"
+                )));
+            }
+            if !(r.temperature > 0.0 && r.temperature.is_finite()) {
+                return Err(ModelError::InvalidInput(format!(
+                    "request {i}: temperature must be a positive number, got {}",
+                    r.temperature
+                )));
+            }
+            let ids: Vec<u32> = r
+                .prompt_ids
+                .iter()
+                .chain(&r.response_ids)
+                .copied()
+                .collect();
+            self.validate_ids(&ids, &format!("request {i}"))?;
+        }
+        let mut out = Vec::with_capacity(requests.len());
+        let mut start = 0;
+        while start < requests.len() {
+            let len = |r: &ScoreRequest| r.prompt_ids.len() + r.response_ids.len();
+            let mut end = start + 1;
+            let mut longest = len(&requests[start]);
+            while end < requests.len() {
+                let l = longest.max(len(&requests[end]));
+                if l * (end - start + 1) > SCORE_BATCH_TOKENS {
+                    break;
+                }
+                longest = l;
+                end += 1;
+            }
+            out.extend(self.score_padded(&requests[start..end], longest)?);
+            start = end;
+        }
+        Ok(out)
+    }
+
+    fn score_padded(&self, batch: &[ScoreRequest], longest: usize) -> Result<Vec<Vec<f32>>> {
+        let mut ids = Vec::with_capacity(batch.len() * longest);
+        for r in batch {
+            ids.extend(&r.prompt_ids);
+            ids.extend(&r.response_ids);
+            ids.resize(
+                ids.len() + longest - r.prompt_ids.len() - r.response_ids.len(),
+                0,
+            );
+        }
+        let input = Tensor::from_vec(ids, (batch.len(), longest), &self.device)?;
+        let hidden = self.forward_hidden(&input)?;
+        let mut out = Vec::with_capacity(batch.len());
+        for (b, r) in batch.iter().enumerate() {
+            let rows = hidden
+                .get(b)?
+                .narrow(0, r.prompt_ids.len() - 1, r.response_ids.len())?;
+            let logits = linear(&rows, &self.lm_head)?;
+            out.push(target_logprobs(&logits, &r.response_ids, r.temperature)?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    }
+}
+
+impl Qwen3 {
+    /// Saves the model as a Hugging Face checkpoint directory in its compute dtype (see
+    /// [`crate::checkpoint::save_checkpoint`]), copying tokenizer and generation files from `copy_from`.
+    pub fn save(&self, out: &Path, copy_from: Option<&Path>) -> Result<()> {
+        self.save_sharded(out, copy_from, crate::checkpoint::MAX_SHARD_BYTES)
+    }
+
+    /// [`Qwen3::save`] with shards of at most `max_shard_bytes` (a single tensor may exceed it).
+    pub fn save_sharded(
+        &self,
+        out: &Path,
+        copy_from: Option<&Path>,
+        max_shard_bytes: usize,
+    ) -> Result<()> {
+        let mut config = self.config_json.clone();
+        let dtype_key = match config.get("torch_dtype") {
+            Some(_) => "torch_dtype",
+            None => "dtype",
+        };
+        config[dtype_key] = crate::checkpoint::dtype_name(self.dtype).into();
+        config["tie_word_embeddings"] = self.tied.into();
+        crate::checkpoint::save_checkpoint(
+            out,
+            &self.named_parameters(),
+            &config,
+            copy_from,
+            max_shard_bytes,
+        )
     }
 }

@@ -1,0 +1,175 @@
+//! The inference path of Qwen3: many sequences of different lengths decoded together, each with
+//! its own KV cache, so a decode step costs one new token per sequence and never recomputes a prefix.
+//!
+//! The new tokens of all sequences are flattened into one `[T, D]` matrix, so projections, MLP and
+//! lm_head run as single large matmuls; only attention, which differs per sequence, is a loop over
+//! sequences (written out over f32 slices, in parallel). It applies the same RMSNorm, RoPE and
+//! softmax-in-f32 as the training path, so the two give the same numbers.
+
+use crate::error::{ModelError, Result};
+use crate::qwen3::{linear, rms_norm, Qwen3};
+use candle_core::{DType, Tensor};
+use rayon::prelude::*;
+
+/// Keys and values of one sequence: per layer, rows `[position][kv_head][hd]` in f32.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<LayerCache>,
+    len: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+struct LayerCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvCache {
+    /// Positions held (the prompt plus every token decoded so far).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Geometry of one attention call, shared by every sequence of a step.
+struct Heads {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Heads {
+    /// Causal attention of `n` new query rows (positions `past..past+n`) over a cache holding
+    /// `past + n` rows; writes `[n, heads*hd]` into `out`.
+    fn attend(&self, q: &[f32], k: &[f32], v: &[f32], past: usize, out: &mut [f32]) {
+        let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let n_rep = h / kv;
+        let scale = (hd as f32).powf(-0.5);
+        let n = q.len() / (h * hd);
+        let mut scores = vec![0f32; past + n];
+        for j in 0..n {
+            let visible = past + j + 1;
+            for head in 0..h {
+                let kvh = head / n_rep;
+                let qv = &q[(j * h + head) * hd..][..hd];
+                let mut max = f32::NEG_INFINITY;
+                for (t, s) in scores[..visible].iter_mut().enumerate() {
+                    let kr = &k[(t * kv + kvh) * hd..][..hd];
+                    *s = qv.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    max = max.max(*s);
+                }
+                let mut sum = 0f32;
+                for s in &mut scores[..visible] {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let o = &mut out[(j * h + head) * hd..][..hd];
+                o.fill(0.0);
+                for (t, s) in scores[..visible].iter().enumerate() {
+                    let p = s / sum;
+                    let vr = &v[(t * kv + kvh) * hd..][..hd];
+                    for (a, b) in o.iter_mut().zip(vr) {
+                        *a += p * b;
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn to_f32_vec(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
+impl Qwen3 {
+    /// An empty cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            layers: vec![LayerCache::default(); self.config.num_hidden_layers],
+            len: 0,
+        }
+    }
+
+    /// Feeds `chunks[i]` as the next tokens of the sequence whose cache is `caches[i]` (a whole
+    /// prompt for a prefill, one token for a decode step), appends their keys and values, and
+    /// returns the logits of each chunk's last token, `[chunks.len(), vocab]` in f32.
+    pub fn forward_cached(&self, chunks: &[&[u32]], caches: &mut [&mut KvCache]) -> Result<Tensor> {
+        if chunks.len() != caches.len() || chunks.iter().any(|c| c.is_empty()) {
+            return Err(ModelError::InvalidInput(
+                "forward_cached needs one non-empty chunk per cache".into(),
+            ));
+        }
+        let c = &self.config;
+        let heads = Heads {
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        };
+        let (q_width, kv_width) = (
+            heads.heads * heads.head_dim,
+            heads.kv_heads * heads.head_dim,
+        );
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut offsets = vec![0usize];
+        for (chunk, cache) in chunks.iter().zip(caches.iter()) {
+            ids.extend_from_slice(chunk);
+            positions.extend((cache.len..cache.len + chunk.len()).map(|p| p as u32));
+            offsets.push(ids.len());
+        }
+        self.validate_ids(&ids, "decode input")?;
+        if let Some(p) = positions
+            .iter()
+            .find(|&&p| p as usize >= c.max_position_embeddings)
+        {
+            return Err(ModelError::InvalidInput(format!(
+                "position {p} is past the model's {} positions (max_position_embeddings)",
+                c.max_position_embeddings
+            )));
+        }
+        let total = ids.len();
+        let (cos, sin) = self.rope_tables(&positions)?;
+        let ids = Tensor::from_vec(ids, total, &self.device)?;
+        let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let xn = rms_norm(&x, &layer.input_layernorm, c.rms_norm_eps)?;
+            let (q, k, v) = self.qkv(layer, &xn, &cos, &sin)?;
+            let (q, k, v) = (to_f32_vec(&q)?, to_f32_vec(&k)?, to_f32_vec(&v)?);
+            let mut attn = vec![0f32; total * q_width];
+            let mut outs = Vec::with_capacity(chunks.len());
+            let mut rest = attn.as_mut_slice();
+            for w in offsets.windows(2) {
+                let (head, tail) = rest.split_at_mut((w[1] - w[0]) * q_width);
+                outs.push(head);
+                rest = tail;
+            }
+            caches
+                .par_iter_mut()
+                .zip(outs)
+                .enumerate()
+                .for_each(|(i, (cache, out))| {
+                    let (a, b) = (offsets[i], offsets[i + 1]);
+                    let past = cache.len;
+                    let lc = &mut cache.layers[l];
+                    lc.k.extend_from_slice(&k[a * kv_width..b * kv_width]);
+                    lc.v.extend_from_slice(&v[a * kv_width..b * kv_width]);
+                    heads.attend(&q[a * q_width..b * q_width], &lc.k, &lc.v, past, out);
+                });
+            let attn =
+                Tensor::from_vec(attn, (total, q_width), &self.device)?.to_dtype(self.dtype)?;
+            x = (x + linear(&attn, &layer.o_proj)?)?;
+            x = self.mlp_block(layer, &x)?;
+        }
+        for (cache, chunk) in caches.iter_mut().zip(chunks) {
+            cache.len += chunk.len();
+        }
+        let last: Vec<u32> = offsets[1..].iter().map(|&o| o as u32 - 1).collect();
+        let last = Tensor::from_vec(last, chunks.len(), &self.device)?;
+        let x = rms_norm(&x.index_select(&last, 0)?, &self.norm, c.rms_norm_eps)?;
+        Ok(linear(&x, &self.lm_head)?.to_dtype(DType::F32)?)
+    }
+}

@@ -1,0 +1,87 @@
+//! The engine seam: token ids in, sampled token ids with their log-probabilities out. The local
+//! engine implements it over a Qwen3 in this process; a remote server (vLLM, SGLang) can implement
+//! it over HTTP without the trainer noticing.
+
+use crate::sampler::SamplerConfig;
+
+/// How to sample, shared by every prompt of one [`Engine::generate`] call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Samples per prompt (a GRPO group); they share the prompt's prefill.
+    pub n: usize,
+    pub max_new_tokens: usize,
+    pub sampler: SamplerConfig,
+    /// Makes sampling reproducible: sample `j` of prompt `i` draws from its own stream of this
+    /// seed, so results do not depend on batching.
+    pub seed: u64,
+    /// Ids that end a sequence besides the model's eos ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Texts that end a sequence; the returned text stops before them.
+    pub stop_strings: Vec<String>,
+    /// Keep going past the model's eos ids (the user's `stop_token_ids` still apply).
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            n: 1,
+            max_new_tokens: 256,
+            sampler: SamplerConfig::default(),
+            seed: 0,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token id (included in `response_ids`) or a stop string ended the sequence.
+    Stop,
+    /// `max_new_tokens` or the model's last position was reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One sampled continuation of a prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub response_ids: Vec<u32>,
+    /// Per response token, its log-probability under the temperature-scaled distribution.
+    pub logprobs: Vec<f32>,
+    pub finish_reason: FinishReason,
+    /// The decoded response (special tokens skipped), when the engine has a tokenizer.
+    pub text: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error(transparent)]
+    Model(#[from] oxrl_models::ModelError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// A generation backend.
+pub trait Engine {
+    /// `params.n` completions for each prompt, as `result[prompt][sample]`.
+    fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+    ) -> Result<Vec<Vec<Completion>>>;
+}

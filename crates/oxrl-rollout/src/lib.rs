@@ -1,0 +1,11 @@
+//! oxrl-rollout: the generation engine. Many prompts of different lengths decode together with
+//! per-sequence KV caches, `n` samples per prompt share the prompt's prefill, and every sampled
+//! token comes back with its log-probability, behind the [`Engine`] trait.
+
+pub mod engine;
+pub mod local;
+pub mod sampler;
+
+pub use engine::{Completion, Engine, EngineError, FinishReason, SamplingParams};
+pub use local::LocalEngine;
+pub use sampler::SamplerConfig;

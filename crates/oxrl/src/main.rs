@@ -1,0 +1,50 @@
+//! `oxrl`: the command line of the oxrl post-training framework.
+
+mod bench;
+mod generate;
+mod input;
+mod load;
+mod output;
+mod score;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "oxrl",
+    version,
+    about = "Reinforcement-learning post-training for language models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Per-token log-probabilities of given responses (one JSON line per input line).
+    Score(score::ScoreArgs),
+    /// Sample continuations of prompts with the batched KV-cache engine.
+    Generate(generate::GenerateArgs),
+    /// Speed benchmarks on random-weight models.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Score(args) => score::run(args),
+        Command::Generate(args) => generate::run(args),
+        Command::Bench(cmd) => bench::run(cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+            eprintln!("error: {}", chain.join(": "));
+            ExitCode::FAILURE
+        }
+    }
+}

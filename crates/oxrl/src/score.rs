@@ -1,0 +1,80 @@
+//! `oxrl score`: per-token log-probabilities of responses, through the same batched training-path
+//! forward the trainer uses.
+
+use crate::input::{prompt_ids, read_jsonl, reject_images, response_ids, ChatOptions};
+use crate::load::{load, DTypeArg};
+use crate::output::write_jsonl;
+use anyhow::{anyhow, Context, Result};
+use oxrl_models::ScoreRequest;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct ScoreArgs {
+    /// Model directory or Hugging Face hub id.
+    #[arg(long)]
+    model: String,
+    /// JSONL: `prompt_ids` | `prompt` | `messages`, `response_ids` | `response`, optional `temperature`.
+    #[arg(long)]
+    input: PathBuf,
+    /// Where to write the results (JSONL, one line per input line); stdout when absent.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// `enable_thinking` passed to the chat template for `messages` prompts.
+    #[arg(long)]
+    enable_thinking: Option<bool>,
+}
+
+pub fn run(args: ScoreArgs) -> Result<()> {
+    let lines = read_jsonl(&args.input)?;
+    let loaded = load(&args.model, args.dtype)?;
+    let tok = loaded.tokenizer.as_deref();
+    let chat = ChatOptions {
+        enable_thinking: args.enable_thinking,
+    };
+    let mut requests = Vec::with_capacity(lines.len());
+    for line in &lines {
+        let at = || format!("{}:{}", args.input.display(), line.number);
+        let request = (|| -> Result<ScoreRequest> {
+            reject_images(&line.fields)?;
+            let temperature = match line.fields.get("temperature") {
+                None => 1.0,
+                Some(t) => t
+                    .as_f64()
+                    .filter(|t| *t > 0.0)
+                    .ok_or_else(|| anyhow!("`temperature`: expected a positive number, got {t}"))?,
+            };
+            let request = ScoreRequest {
+                prompt_ids: prompt_ids(&line.fields, tok, &chat)?,
+                response_ids: response_ids(&line.fields, tok)?,
+                temperature,
+            };
+            let all: Vec<u32> = request
+                .prompt_ids
+                .iter()
+                .chain(&request.response_ids)
+                .copied()
+                .collect();
+            loaded.model.validate_ids(&all, "prompt + response")?;
+            if request.prompt_ids.is_empty() || request.response_ids.is_empty() {
+                return Err(anyhow!(
+                    "the prompt and the response each need at least one token"
+                ));
+            }
+            Ok(request)
+        })()
+        .with_context(at)?;
+        requests.push(request);
+    }
+    let scored = loaded.model.score_batch(&requests)?;
+    let out: Vec<Value> = scored
+        .iter()
+        .map(|lp| {
+            let sum: f64 = lp.iter().map(|&x| x as f64).sum();
+            json!({"logprobs": lp, "sum": sum})
+        })
+        .collect();
+    write_jsonl(args.output.as_deref(), &out)
+}
