@@ -454,3 +454,63 @@ impl Qwen3 {
         )
     }
 }
+
+impl Qwen3 {
+    /// A freshly initialised model as transformers makes one: every matrix from N(0, 0.02²)
+    /// (`initializer_range`), every norm weight 1. For benchmarks, tests and new tiny policies.
+    pub fn random(config_json: Value, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+        use rand::{Rng, SeedableRng};
+        let config = Qwen3Config::from_value(&config_json, Path::new("<random init>"))?;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let std = config_json
+            .get("initializer_range")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.02) as f32;
+        let mut normal = |shape: &[usize]| -> Result<Tensor> {
+            let n: usize = shape.iter().product();
+            // Box–Muller: two uniforms give one standard normal.
+            let v: Vec<f32> = (0..n)
+                .map(|_| {
+                    let (u1, u2) = (1.0 - rng.random::<f32>(), rng.random::<f32>());
+                    std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+                })
+                .collect();
+            Ok(Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?)
+        };
+        let c = &config;
+        let (d, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (h, kv) = (c.num_attention_heads, c.num_key_value_heads);
+        let ones = |n: usize| Tensor::ones(n, dtype, device);
+        let mut t = HashMap::new();
+        t.insert(
+            "model.embed_tokens.weight".to_string(),
+            normal(&[c.vocab_size, d])?,
+        );
+        t.insert("model.norm.weight".to_string(), ones(d)?);
+        if !c.tie_word_embeddings {
+            t.insert("lm_head.weight".to_string(), normal(&[c.vocab_size, d])?);
+        }
+        for l in 0..c.num_hidden_layers {
+            for (name, shape) in [
+                ("self_attn.q_proj.weight", [h * hd, d]),
+                ("self_attn.k_proj.weight", [kv * hd, d]),
+                ("self_attn.v_proj.weight", [kv * hd, d]),
+                ("self_attn.o_proj.weight", [d, h * hd]),
+                ("mlp.gate_proj.weight", [i, d]),
+                ("mlp.up_proj.weight", [i, d]),
+                ("mlp.down_proj.weight", [d, i]),
+            ] {
+                t.insert(format!("model.layers.{l}.{name}"), normal(&shape)?);
+            }
+            for (name, n) in [
+                ("input_layernorm.weight", d),
+                ("post_attention_layernorm.weight", d),
+                ("self_attn.q_norm.weight", hd),
+                ("self_attn.k_norm.weight", hd),
+            ] {
+                t.insert(format!("model.layers.{l}.{name}"), ones(n)?);
+            }
+        }
+        Self::from_tensors(config, config_json, t, dtype, device)
+    }
+}

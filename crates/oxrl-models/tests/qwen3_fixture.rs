@@ -1,10 +1,8 @@
 //! Qwen3 against the transformers reference outputs in `../shared/fixtures/qwen3-tiny/`, and the
 //! two forward paths, saving and gradients against each other.
 
-mod common;
-
 use candle_core::{DType, Device, Tensor, D};
-use common::{fixture, floats, ids, jsonl, temp_dir};
+use oxrl_fixtures::{fixture, floats, ids, jsonl, temp_dir};
 use oxrl_models::{Qwen3, ScoreRequest};
 use serde_json::Value;
 
@@ -102,6 +100,8 @@ fn cached_path_equals_training_path() {
     let mut all_logits = vec![Vec::new(); reqs.len()];
     let first = model
         .forward_cached(&prompts, &mut caches.iter_mut().collect::<Vec<_>>())
+        .unwrap()
+        .to_tensor()
         .unwrap();
     for (i, l) in all_logits.iter_mut().enumerate() {
         l.push(first.get(i).unwrap());
@@ -112,6 +112,8 @@ fn cached_path_equals_training_path() {
         let chunks: Vec<&[u32]> = tokens.iter().map(|t| t.as_slice()).collect();
         let logits = model
             .forward_cached(&chunks, &mut caches.iter_mut().collect::<Vec<_>>())
+            .unwrap()
+            .to_tensor()
             .unwrap();
         for (i, l) in all_logits.iter_mut().enumerate() {
             l.push(logits.get(i).unwrap());

@@ -1,9 +1,7 @@
 //! The Qwen tokenizer and chat templates against transformers' outputs in
 //! `../shared/fixtures/qwen3-tokenizer/`.
 
-mod common;
-
-use common::{fixture, ids, jsonl};
+use oxrl_fixtures::{fixture, ids, jsonl};
 use oxrl_models::chat_template::ChatTemplate;
 use oxrl_models::{eos_token_ids, Tokenizer};
 use serde_json::{Map, Value};

@@ -8,4 +8,4 @@ pub mod sampler;
 
 pub use engine::{Completion, Engine, EngineError, FinishReason, SamplingParams};
 pub use local::LocalEngine;
-pub use sampler::SamplerConfig;
+pub use sampler::{SamplerConfig, SamplerScratch};

@@ -5,8 +5,8 @@
 //! sequence in one forward. Finished sequences leave and free room for waiting prompts.
 
 use crate::engine::{Completion, Engine, EngineError, FinishReason, Result, SamplingParams};
-use candle_core::{Storage, Tensor};
-use oxrl_models::{KvCache, Qwen3, Tokenizer};
+use crate::sampler::SamplerScratch;
+use oxrl_models::{KvCache, Qwen3, Tokenizer, VocabSlices};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -85,22 +85,6 @@ impl StopRules<'_> {
     }
 }
 
-/// Row-major f32 view of a contiguous CPU logits tensor, without copying it.
-fn with_rows<T>(logits: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
-    let logits = logits.contiguous()?;
-    let (storage, layout) = logits.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(cpu) => {
-            let data = cpu.as_slice::<f32>()?;
-            f(&data[layout.start_offset()..layout.start_offset() + logits.elem_count()])
-        }
-        _ => {
-            drop(storage);
-            f(&logits.flatten_all()?.to_vec1::<f32>()?)
-        }
-    }
-}
-
 impl LocalEngine {
     pub fn new(
         model: Arc<Qwen3>,
@@ -166,26 +150,32 @@ impl LocalEngine {
     /// Samples the next token of `seqs[k]` from logits row `rows[k]`, in parallel.
     fn sample_rows(
         &self,
-        logits: &Tensor,
+        logits: &VocabSlices,
         rows: &[usize],
         seqs: &mut [Sequence],
         params: &SamplingParams,
         rules: &StopRules,
     ) -> Result<()> {
-        let vocab = logits.dim(1)?;
-        with_rows(logits, |data| {
+        let n_rows = rows.iter().max().map_or(0, |r| r + 1);
+        logits.with_data(|parts| {
             seqs.par_iter_mut()
                 .zip(rows)
-                .map_init(Vec::new, |scratch, (seq, &r)| {
-                    let row = &data[r * vocab..(r + 1) * vocab];
-                    let (token, logprob) = params.sampler.sample(row, &mut seq.rng, scratch);
+                .map_init(SamplerScratch::default, |scratch, (seq, &r)| {
+                    let row: Vec<&[f32]> = parts
+                        .iter()
+                        .map(|p| {
+                            let width = p.len() / n_rows;
+                            &p[r * width..(r + 1) * width]
+                        })
+                        .collect();
+                    let (token, logprob) = params.sampler.sample(&row, &mut seq.rng, scratch);
                     seq.response.push(token);
                     seq.logprobs.push(logprob);
                     rules.check(seq)
                 })
-                .collect::<Result<Vec<()>>>()?;
-            Ok(())
-        })
+                .collect::<Result<Vec<()>>>()
+        })??;
+        Ok(())
     }
 
     fn completion(&self, seq: Sequence) -> Result<Completion> {

@@ -32,14 +32,147 @@ impl Default for SamplerConfig {
 /// sort; if the tokens kept already hold the nucleus mass the cut is exact, else all are sorted.
 const TOP_P_PREFILTER: f32 = 1e-6;
 
-/// `ln Σ exp(x - max)` and `max` of a row, the sum accumulated in f64.
-fn max_and_log_sum_exp(row: &[f32], scale: f32) -> (f32, f32) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = row
-        .iter()
-        .map(|&x| (((x - max) * scale).exp()) as f64)
-        .sum();
-    (max, sum.ln() as f32)
+/// Weights are summed in blocks of this many, so a draw walks block sums, then one block.
+const BLOCK: usize = 1024;
+
+/// Scratch space a sampler reuses between calls (one per thread).
+#[derive(Debug, Default)]
+pub struct SamplerScratch {
+    /// `exp((logit - max) / T)` per vocabulary entry.
+    weights: Vec<f32>,
+    /// Sums of `weights` per [`BLOCK`].
+    blocks: Vec<f64>,
+}
+
+/// `exp(x)` for `x ≤ 0` (0 below -87, so `-inf` logits weigh nothing), within 2e-7 relative
+/// error: Cephes' `expf` range reduction and polynomial, written branch-free over plain f32 ops so
+/// the compiler vectorizes the loops that call it. The vocabulary-wide softmax of every sampled
+/// token runs through here, which libm's scalar `expf` made the engine's largest cost after lm_head.
+#[inline(always)]
+fn exp_nonpos(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    const P: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
+    // Adding 1.5·2²³ rounds to the nearest integer n and leaves n in the low mantissa bits,
+    // so 2ⁿ is built with integer ops only (a float-to-int cast would not vectorize).
+    const ROUND: f32 = 12_582_912.0;
+    let xc = if x < -87.0 { -87.0 } else { x };
+    let shifted = xc * LOG2E + ROUND;
+    let n = shifted - ROUND;
+    let r = xc - n * C1 - n * C2;
+    let poly = ((((P[0] * r + P[1]) * r + P[2]) * r + P[3]) * r + P[4]) * r + P[5];
+    let y = poly * r * r + r + 1.0;
+    let n_int = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let scale = f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
+    if x < -87.0 {
+        0.0
+    } else {
+        y * scale
+    }
+}
+
+/// `dst[i] = exp((src[i] - max) * scale)`.
+#[inline(always)]
+fn exp_shifted_into(dst: &mut [f32], src: &[f32], max: f32, scale: f32) {
+    for (w, &x) in dst.iter_mut().zip(src) {
+        *w = exp_nonpos((x - max) * scale);
+    }
+}
+
+/// [`exp_shifted_into`] compiled for AVX2 + FMA, twice the lanes of the x86-64 baseline.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn exp_shifted_into_avx2(dst: &mut [f32], src: &[f32], max: f32, scale: f32) {
+    exp_shifted_into(dst, src, max, scale)
+}
+
+fn exp_shifted(dst: &mut [f32], src: &[f32], max: f32, scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has the features the function is compiled for.
+        return unsafe { exp_shifted_into_avx2(dst, src, max, scale) };
+    }
+    exp_shifted_into(dst, src, max, scale)
+}
+
+/// Largest value, over eight lanes so it vectorizes.
+fn max_of(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = if x > *a { x } else { *a };
+        }
+    }
+    acc.iter()
+        .chain(rest)
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Sum over eight f32 lanes (vectorized); callers keep blocks short and add them in f64.
+fn sum_of(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    acc.iter().chain(rest).sum()
+}
+
+/// The logit of vocabulary entry `i` of a row stored as consecutive pieces.
+fn logit_at(row: &[&[f32]], mut i: usize) -> f32 {
+    for piece in row {
+        if i < piece.len() {
+            return piece[i];
+        }
+        i -= piece.len();
+    }
+    f32::NAN
+}
+
+impl SamplerScratch {
+    /// Fills `weights` with `exp((x - max) * scale)` and `blocks` with their block sums; returns
+    /// the total.
+    fn fill(&mut self, row: &[&[f32]], max: f32, scale: f32) -> f64 {
+        let vocab: usize = row.iter().map(|p| p.len()).sum();
+        self.weights.resize(vocab, 0.0);
+        let mut at = 0;
+        for piece in row {
+            exp_shifted(&mut self.weights[at..at + piece.len()], piece, max, scale);
+            at += piece.len();
+        }
+        self.blocks.clear();
+        self.blocks
+            .extend(self.weights.chunks(BLOCK).map(|b| sum_of(b) as f64));
+        self.blocks.iter().sum()
+    }
+
+    /// The first index where the running weight passes `u`, found block by block.
+    fn pick_blocked(&self, u: f64) -> usize {
+        let mut cum = 0.0;
+        for (b, &block_sum) in self.blocks.iter().enumerate() {
+            if cum + block_sum > u {
+                let start = b * BLOCK;
+                let end = (start + BLOCK).min(self.weights.len());
+                return pick(start..end, &self.weights, u - cum);
+            }
+            cum += block_sum;
+        }
+        pick(0..self.weights.len(), &self.weights, f64::INFINITY)
+    }
 }
 
 impl SamplerConfig {
@@ -47,30 +180,36 @@ impl SamplerConfig {
         self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
     }
 
-    /// Samples a token from `logits`; returns it with its log-probability under `softmax(logits/T)`
-    /// (under `softmax(logits)` when greedy). `weights` is scratch space reused between calls.
+    /// Samples a token from a row of logits given as consecutive pieces of the vocabulary;
+    /// returns it with its log-probability under `softmax(logits/T)` (under `softmax(logits)` when
+    /// greedy).
     pub fn sample<R: Rng>(
         &self,
-        logits: &[f32],
+        row: &[&[f32]],
         rng: &mut R,
-        weights: &mut Vec<f32>,
+        scratch: &mut SamplerScratch,
     ) -> (u32, f32) {
+        let max = row
+            .iter()
+            .map(|p| max_of(p))
+            .fold(f32::NEG_INFINITY, f32::max);
         if self.temperature <= 0.0 {
             let mut best = 0;
-            for (i, &x) in logits.iter().enumerate() {
-                if x > logits[best] {
-                    best = i;
+            let mut offset = 0;
+            for piece in row {
+                if let Some(i) = piece.iter().position(|&x| x == max) {
+                    best = offset + i;
+                    break;
                 }
+                offset += piece.len();
             }
-            let (max, lse) = max_and_log_sum_exp(logits, 1.0);
-            return (best as u32, logits[best] - max - lse);
+            let total = scratch.fill(row, max, 1.0);
+            return (best as u32, -(total.ln() as f32));
         }
         let inv_t = (1.0 / self.temperature) as f32;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        weights.clear();
-        weights.extend(logits.iter().map(|&x| ((x - max) * inv_t).exp()));
-        let total: f64 = weights.iter().map(|&w| w as f64).sum();
+        let total = scratch.fill(row, max, inv_t);
         let token = if self.truncates() {
+            let weights = &scratch.weights;
             let candidates = self.nucleus(weights, total);
             let mass: f64 = candidates.iter().map(|&i| weights[i] as f64).sum();
             pick(
@@ -79,9 +218,9 @@ impl SamplerConfig {
                 rng.random::<f64>() * mass,
             )
         } else {
-            pick(0..weights.len(), weights, rng.random::<f64>() * total)
+            scratch.pick_blocked(rng.random::<f64>() * total)
         };
-        let logprob = (logits[token] - max) * inv_t - total.ln() as f32;
+        let logprob = (logit_at(row, token) - max) * inv_t - total.ln() as f32;
         (token as u32, logprob)
     }
 
@@ -152,9 +291,9 @@ mod tests {
     fn draw(cfg: &SamplerConfig, logits: &[f32], n: usize) -> Vec<usize> {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         let mut counts = vec![0; logits.len()];
-        let mut scratch = Vec::new();
+        let mut scratch = SamplerScratch::default();
         for _ in 0..n {
-            counts[cfg.sample(logits, &mut rng, &mut scratch).0 as usize] += 1;
+            counts[cfg.sample(&[logits], &mut rng, &mut scratch).0 as usize] += 1;
         }
         counts
     }
@@ -166,7 +305,11 @@ mod tests {
             ..Default::default()
         };
         let logits = [0.0f32, 2.0, 1.0];
-        let (t, lp) = cfg.sample(&logits, &mut ChaCha8Rng::seed_from_u64(0), &mut Vec::new());
+        let (t, lp) = cfg.sample(
+            &[&logits],
+            &mut ChaCha8Rng::seed_from_u64(0),
+            &mut SamplerScratch::default(),
+        );
         let z: f32 = logits.iter().map(|x| x.exp()).sum();
         assert_eq!(t, 1);
         assert!((lp - (2.0 - z.ln())).abs() < 1e-6);
@@ -181,9 +324,62 @@ mod tests {
             ..Default::default()
         };
         let logits = [0.0f32, 4f32.ln()];
-        let (t, lp) = cfg.sample(&logits, &mut ChaCha8Rng::seed_from_u64(0), &mut Vec::new());
+        let (t, lp) = cfg.sample(
+            &[&logits],
+            &mut ChaCha8Rng::seed_from_u64(0),
+            &mut SamplerScratch::default(),
+        );
         assert_eq!(t, 1, "top_k = 1 keeps only the heaviest token");
         assert!((lp - (2.0f32 / 3.0).ln()).abs() < 1e-6, "{lp}");
+    }
+
+    #[test]
+    fn fast_exp_is_within_2e_7_relative() {
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let want = (x as f64).exp();
+            let got = exp_nonpos(x) as f64;
+            assert!(
+                ((got - want) / want).abs() < 2e-7,
+                "exp({x}) = {got}, want {want}"
+            );
+            x += 0.0137;
+        }
+        assert_eq!(exp_nonpos(0.0), 1.0);
+        assert_eq!(exp_nonpos(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpos(-100.0), 0.0);
+    }
+
+    #[test]
+    fn a_row_in_pieces_samples_like_the_whole_row() {
+        let logits: Vec<f32> = (0..3000)
+            .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
+            .collect();
+        let cfg = SamplerConfig {
+            temperature: 0.7,
+            ..Default::default()
+        };
+        let pieces: Vec<&[f32]> = logits.chunks(1100).collect();
+        let (mut a, mut b) = (ChaCha8Rng::seed_from_u64(5), ChaCha8Rng::seed_from_u64(5));
+        let (mut sa, mut sb) = (SamplerScratch::default(), SamplerScratch::default());
+        for _ in 0..50 {
+            assert_eq!(
+                cfg.sample(&[&logits], &mut a, &mut sa),
+                cfg.sample(&pieces, &mut b, &mut sb)
+            );
+        }
+        let greedy = SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let (t, lp) = greedy.sample(&pieces, &mut a, &mut sa);
+        assert_eq!(logits[t as usize], 9.99);
+        let lse = logits
+            .iter()
+            .map(|&x| ((x - 9.99) as f64).exp())
+            .sum::<f64>()
+            .ln();
+        assert!((lp as f64 + lse).abs() < 1e-5);
     }
 
     #[test]

@@ -3,13 +3,12 @@
 //! figures compare side by side with transformers on the same machine.
 
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
-use oxrl_models::{Qwen3, Qwen3Config};
+use candle_core::{DType, Device};
+use oxrl_models::Qwen3;
 use oxrl_rollout::{Engine, LocalEngine, SamplerConfig, SamplingParams};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -36,67 +35,16 @@ pub struct GenerateBench {
     json: bool,
 }
 
-/// The W1 model with weights from N(0, 0.02) and unit norm weights, as a fresh transformers model.
+/// The W1 model with freshly initialised weights (N(0, 0.02²), unit norms).
 pub fn w1_model(seed: u64) -> Result<Qwen3> {
-    let config_json = json!({
+    let config = json!({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
         "vocab_size": 151936, "hidden_size": 256, "intermediate_size": 768,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "max_position_embeddings": 40960, "tie_word_embeddings": true, "torch_dtype": "float32",
     });
-    let config = Qwen3Config::from_value(&config_json, std::path::Path::new("<w1>"))?;
-    let dev = Device::Cpu;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut normal = |shape: &[usize]| -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        // Irwin–Hall approximation of a normal: plenty for a speed benchmark's weights.
-        let v: Vec<f32> = (0..n)
-            .map(|_| ((0..4).map(|_| rng.random::<f32>()).sum::<f32>() - 2.0) * 0.02 * 3f32.sqrt())
-            .collect();
-        Ok(Tensor::from_vec(v, shape, &dev)?)
-    };
-    let c = &config;
-    let (d, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
-    let (h, kv) = (c.num_attention_heads, c.num_key_value_heads);
-    let mut t = HashMap::new();
-    t.insert(
-        "model.embed_tokens.weight".to_string(),
-        normal(&[c.vocab_size, d])?,
-    );
-    t.insert(
-        "model.norm.weight".to_string(),
-        Tensor::ones(d, DType::F32, &dev)?,
-    );
-    for l in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        for (name, shape) in [
-            ("self_attn.q_proj.weight", vec![h * hd, d]),
-            ("self_attn.k_proj.weight", vec![kv * hd, d]),
-            ("self_attn.v_proj.weight", vec![kv * hd, d]),
-            ("self_attn.o_proj.weight", vec![d, h * hd]),
-            ("mlp.gate_proj.weight", vec![i, d]),
-            ("mlp.up_proj.weight", vec![i, d]),
-            ("mlp.down_proj.weight", vec![d, i]),
-        ] {
-            t.insert(format!("{p}.{name}"), normal(&shape)?);
-        }
-        for (name, n) in [
-            ("input_layernorm.weight", d),
-            ("post_attention_layernorm.weight", d),
-            ("self_attn.q_norm.weight", hd),
-            ("self_attn.k_norm.weight", hd),
-        ] {
-            t.insert(format!("{p}.{name}"), Tensor::ones(n, DType::F32, &dev)?);
-        }
-    }
-    Ok(Qwen3::from_tensors(
-        config,
-        config_json,
-        t,
-        DType::F32,
-        &dev,
-    )?)
+    Ok(Qwen3::random(config, seed, DType::F32, &Device::Cpu)?)
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {

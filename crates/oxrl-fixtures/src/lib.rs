@@ -1,5 +1,5 @@
-//! Shared helpers of the integration tests: fixture paths and JSON fields.
-#![allow(dead_code)]
+//! Test support shared by the workspace's integration tests: the reference fixtures in
+//! `../shared/fixtures/` (beside the repository) and small JSON helpers. Never a runtime dependency.
 
 use serde_json::Value;
 use std::path::PathBuf;
