@@ -30,23 +30,24 @@ pub struct Layer {
 }
 
 impl Layer {
-    /// The layer's weights under their checkpoint names relative to `model.layers.{i}.`.
+    /// The layer's weights under their checkpoint names relative to `model.layers.{i}.`, in
+    /// transformers' `named_parameters()` order (attention, MLP, then the two norms).
     fn named(&self) -> [(&'static str, &Tensor); 11] {
         [
-            ("input_layernorm.weight", &self.input_layernorm),
             ("self_attn.q_proj.weight", &self.q_proj),
             ("self_attn.k_proj.weight", &self.k_proj),
             ("self_attn.v_proj.weight", &self.v_proj),
             ("self_attn.o_proj.weight", &self.o_proj),
             ("self_attn.q_norm.weight", &self.q_norm),
             ("self_attn.k_norm.weight", &self.k_norm),
+            ("mlp.gate_proj.weight", &self.gate_proj),
+            ("mlp.up_proj.weight", &self.up_proj),
+            ("mlp.down_proj.weight", &self.down_proj),
+            ("input_layernorm.weight", &self.input_layernorm),
             (
                 "post_attention_layernorm.weight",
                 &self.post_attention_layernorm,
             ),
-            ("mlp.gate_proj.weight", &self.gate_proj),
-            ("mlp.up_proj.weight", &self.up_proj),
-            ("mlp.down_proj.weight", &self.down_proj),
         ]
     }
 }
@@ -106,24 +107,18 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.broadcast_matmul(&w.t()?)
 }
 
-/// `log_softmax(logits / temperature)[targets]` per row, in f32: rows `[N, vocab]`, targets `[N]`.
-pub fn target_logprobs(
-    logits: &Tensor,
-    targets: &[u32],
-    temperature: f64,
-) -> candle_core::Result<Tensor> {
-    let logits = (logits.to_dtype(DType::F32)? / temperature)?;
-    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    let targets = Tensor::new(targets, logits.device())?.unsqueeze(1)?;
-    logp.gather(&targets, 1)?.squeeze(1)
-}
-
 /// One sequence to score: `log p(response[i] | prompt ++ response[..i])` at a temperature.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScoreRequest {
     pub prompt_ids: Vec<u32>,
     pub response_ids: Vec<u32>,
     pub temperature: f64,
+}
+
+/// Log-probs of one response's tokens, `[n]` f32, and optionally their entropies.
+pub struct ResponseLogprobs {
+    pub logprobs: Tensor,
+    pub entropy: Option<Tensor>,
 }
 
 /// Padded tokens (batch × longest sequence) per training-path forward while scoring.
@@ -401,8 +396,41 @@ impl Qwen3 {
     }
 
     fn score_padded(&self, batch: &[ScoreRequest], longest: usize) -> Result<Vec<Vec<f32>>> {
+        self.response_logprobs_padded(batch, longest, false)?
+            .into_iter()
+            .map(|r| Ok(r.logprobs.to_vec1::<f32>()?))
+            .collect()
+    }
+
+    /// Response log-probs of each request as differentiable `[n_i]` tensors (the training path:
+    /// gradients reach every weight), with per-token entropies of the temperature-scaled
+    /// distribution when `with_entropy`. One right-padded forward over the whole batch.
+    pub fn response_logprobs(
+        &self,
+        batch: &[ScoreRequest],
+        with_entropy: bool,
+    ) -> Result<Vec<ResponseLogprobs>> {
+        let longest = batch
+            .iter()
+            .map(|r| r.prompt_ids.len() + r.response_ids.len())
+            .max()
+            .unwrap_or(0);
+        self.response_logprobs_padded(batch, longest, with_entropy)
+    }
+
+    fn response_logprobs_padded(
+        &self,
+        batch: &[ScoreRequest],
+        longest: usize,
+        with_entropy: bool,
+    ) -> Result<Vec<ResponseLogprobs>> {
         let mut ids = Vec::with_capacity(batch.len() * longest);
         for r in batch {
+            if r.prompt_ids.is_empty() || r.response_ids.is_empty() {
+                return Err(ModelError::InvalidInput(
+                    "scoring needs at least one prompt token and one response token".into(),
+                ));
+            }
             ids.extend(&r.prompt_ids);
             ids.extend(&r.response_ids);
             ids.resize(
@@ -417,8 +445,15 @@ impl Qwen3 {
             let rows = hidden
                 .get(b)?
                 .narrow(0, r.prompt_ids.len() - 1, r.response_ids.len())?;
-            let logits = linear(&rows, &self.lm_head)?;
-            out.push(target_logprobs(&logits, &r.response_ids, r.temperature)?.to_vec1::<f32>()?);
+            let logits = (linear(&rows, &self.lm_head)?.to_dtype(DType::F32)? / r.temperature)?;
+            let logp_all = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+            let targets = Tensor::new(r.response_ids.as_slice(), &self.device)?.unsqueeze(1)?;
+            let logprobs = logp_all.gather(&targets, 1)?.squeeze(1)?;
+            let entropy = match with_entropy {
+                true => Some((logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?),
+                false => None,
+            };
+            out.push(ResponseLogprobs { logprobs, entropy });
         }
         Ok(out)
     }

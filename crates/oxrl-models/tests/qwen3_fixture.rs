@@ -217,24 +217,16 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
         }
         let vars = model.make_trainable().unwrap();
         assert_eq!(vars.len(), 3 * 11 + 2 + usize::from(!tied));
+        // The trainer's path: response log-probs and entropies of a right-padded batch.
         let (reqs, _) = requests();
-        let r = &reqs[0];
-        let ids: Vec<u32> = r
-            .prompt_ids
-            .iter()
-            .chain(&r.response_ids)
-            .copied()
-            .collect();
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
+        let out = model.response_logprobs(&reqs[..2], true).unwrap();
+        let mut loss = Tensor::new(0f32, &Device::Cpu).unwrap();
+        for r in &out {
+            let term = (r.logprobs.sum_all().unwrap()
+                + r.entropy.as_ref().unwrap().sum_all().unwrap())
             .unwrap();
-        let logits = model.forward(&input).unwrap().squeeze(0).unwrap();
-        let n = ids.len() - 1;
-        let lp =
-            oxrl_models::qwen3::target_logprobs(&logits.narrow(0, 0, n).unwrap(), &ids[1..], 1.0)
-                .unwrap();
-        let loss = lp.sum_all().unwrap().neg().unwrap();
+            loss = (loss - term).unwrap();
+        }
         let grads = loss.backward().unwrap();
         for (name, var) in &vars {
             let g = grads

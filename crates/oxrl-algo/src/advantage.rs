@@ -1,0 +1,215 @@
+//! Outcome advantage estimators: one scalar reward per response, an advantage per response that
+//! every one of its tokens receives. Groups are the responses sharing a prompt uid.
+
+use crate::{lookup, UnknownName};
+use std::collections::HashMap;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdvantageEstimator {
+    /// A_i = (r_i − mean_g r) / (std_g r + ε), std with n − 1; without the std (Dr. GRPO) when
+    /// `norm_adv_by_std` is false.
+    Grpo,
+    /// Leave-one-out baseline: A_i = r_i − mean_{j≠i} r_j.
+    Rloo,
+    /// REINFORCE++-baseline: subtract the group mean, then whiten over every token of the batch.
+    ReinforceBaseline,
+}
+
+const REGISTRY: [(&str, AdvantageEstimator); 4] = [
+    ("grpo", AdvantageEstimator::Grpo),
+    ("dr_grpo", AdvantageEstimator::Grpo),
+    ("rloo", AdvantageEstimator::Rloo),
+    ("reinforce_baseline", AdvantageEstimator::ReinforceBaseline),
+];
+
+impl AdvantageEstimator {
+    /// `dr_grpo` is `grpo` without the std; the caller sets `norm_adv_by_std = false` for it.
+    pub fn from_name(name: &str) -> Result<Self, UnknownName> {
+        lookup("advantage estimator", name, &REGISTRY)
+    }
+
+    pub fn names() -> Vec<&'static str> {
+        REGISTRY.iter().map(|(n, _)| *n).collect()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdvantageConfig {
+    pub estimator: AdvantageEstimator,
+    pub norm_adv_by_std: bool,
+    /// ε in the GRPO denominator: 1e-6 as verl and SkyRL (TRL uses 1e-4).
+    pub eps: f64,
+}
+
+impl Default for AdvantageConfig {
+    fn default() -> Self {
+        Self {
+            estimator: AdvantageEstimator::Grpo,
+            norm_adv_by_std: true,
+            eps: 1e-6,
+        }
+    }
+}
+
+/// Indices of the responses of each group, groups in order of first appearance.
+fn groups<G: Eq + std::hash::Hash>(uids: &[G]) -> Vec<Vec<usize>> {
+    let mut index: HashMap<&G, usize> = HashMap::new();
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    for (i, u) in uids.iter().enumerate() {
+        let g = *index.entry(u).or_insert_with(|| {
+            out.push(Vec::new());
+            out.len() - 1
+        });
+        out[g].push(i);
+    }
+    out
+}
+
+fn mean(xs: impl Iterator<Item = f64> + Clone) -> f64 {
+    let n = xs.clone().count();
+    xs.sum::<f64>() / n as f64
+}
+
+/// Advantages per response. `uids[i]` names the prompt of response `i` (groups need not be
+/// contiguous); `token_counts[i]` is its response length (used by batch whitening).
+pub fn compute_advantages<G: Eq + std::hash::Hash>(
+    rewards: &[f64],
+    uids: &[G],
+    token_counts: &[usize],
+    cfg: &AdvantageConfig,
+) -> Vec<f64> {
+    let mut adv = vec![0.0; rewards.len()];
+    for group in groups(uids) {
+        let n = group.len();
+        let m = mean(group.iter().map(|&i| rewards[i]));
+        for &i in &group {
+            adv[i] = match cfg.estimator {
+                // A group of one has no baseline: mean 0, std 1.
+                _ if n == 1 => rewards[i],
+                AdvantageEstimator::Grpo if cfg.norm_adv_by_std => {
+                    let var = group.iter().map(|&j| (rewards[j] - m).powi(2)).sum::<f64>()
+                        / (n - 1) as f64;
+                    (rewards[i] - m) / (var.sqrt() + cfg.eps)
+                }
+                AdvantageEstimator::Grpo | AdvantageEstimator::ReinforceBaseline => rewards[i] - m,
+                AdvantageEstimator::Rloo => (rewards[i] - m) * n as f64 / (n - 1) as f64,
+            };
+        }
+    }
+    if cfg.estimator == AdvantageEstimator::ReinforceBaseline {
+        whiten_over_tokens(&mut adv, token_counts);
+    }
+    adv
+}
+
+/// `(A − mean) / sqrt(var + 1e-8)` with mean and unbiased variance over every response token
+/// (verl's `masked_whiten`): a response counts once per token.
+fn whiten_over_tokens(adv: &mut [f64], token_counts: &[usize]) {
+    let n: f64 = token_counts.iter().sum::<usize>() as f64;
+    if n < 2.0 {
+        return;
+    }
+    let m = adv
+        .iter()
+        .zip(token_counts)
+        .map(|(a, &c)| a * c as f64)
+        .sum::<f64>()
+        / n;
+    let var = adv
+        .iter()
+        .zip(token_counts)
+        .map(|(a, &c)| (a - m).powi(2) * c as f64)
+        .sum::<f64>()
+        / (n - 1.0);
+    for a in adv.iter_mut() {
+        *a = (*a - m) / (var + 1e-8).sqrt();
+    }
+}
+
+/// Fraction of groups whose rewards are all equal (their GRPO advantages are all 0).
+pub fn frac_zero_std_groups<G: Eq + std::hash::Hash>(rewards: &[f64], uids: &[G]) -> f64 {
+    let gs = groups(uids);
+    let flat = gs
+        .iter()
+        .filter(|g| g.iter().all(|&i| rewards[i] == rewards[g[0]]))
+        .count();
+    flat as f64 / gs.len().max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: &[f64], b: &[f64]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-9, "{a:?} vs {b:?}");
+        }
+    }
+
+    #[test]
+    fn grpo_normalises_by_unbiased_std_per_group() {
+        // Group a: rewards 1, 0 → mean 0.5, unbiased std √0.5 → ±0.5/√0.5 = ±√0.5.
+        // Group b: all equal → 0 (the ε keeps 0/0 away).
+        let cfg = AdvantageConfig::default();
+        let adv = compute_advantages(&[1.0, 2.0, 0.0, 2.0], &["a", "b", "a", "b"], &[1; 4], &cfg);
+        let h = 0.5 / (0.5f64.sqrt() + 1e-6);
+        close(&adv, &[h, 0.0, -h, 0.0]);
+        assert_eq!(
+            frac_zero_std_groups(&[1.0, 2.0, 0.0, 2.0], &["a", "b", "a", "b"]),
+            0.5
+        );
+    }
+
+    #[test]
+    fn dr_grpo_only_subtracts_the_mean() {
+        let cfg = AdvantageConfig {
+            norm_adv_by_std: false,
+            ..Default::default()
+        };
+        let adv = compute_advantages(&[1.0, 0.0, 0.5], &[0, 0, 0], &[1; 3], &cfg);
+        close(&adv, &[0.5, -0.5, 0.0]);
+    }
+
+    #[test]
+    fn rloo_uses_the_mean_of_the_others() {
+        // r = 3, 0, 0: A_0 = 3 − 0 = 3, A_1 = 0 − 1.5 = −1.5.
+        let cfg = AdvantageConfig {
+            estimator: AdvantageEstimator::Rloo,
+            ..Default::default()
+        };
+        let adv = compute_advantages(&[3.0, 0.0, 0.0], &[0, 0, 0], &[1; 3], &cfg);
+        close(&adv, &[3.0, -1.5, -1.5]);
+    }
+
+    #[test]
+    fn a_group_of_one_keeps_its_reward() {
+        let adv = compute_advantages(&[0.7], &[0], &[3], &AdvantageConfig::default());
+        close(&adv, &[0.7]);
+    }
+
+    #[test]
+    fn reinforce_baseline_whitens_over_tokens() {
+        // Group means removed: [1, -1] (one group of r = 2, 0). Tokens: 1 and 3 → values
+        // 1, -1, -1, -1: mean -0.5, unbiased var (2.25 + 3·0.25)/3 = 1.
+        let cfg = AdvantageConfig {
+            estimator: AdvantageEstimator::ReinforceBaseline,
+            ..Default::default()
+        };
+        let adv = compute_advantages(&[2.0, 0.0], &[0, 0], &[1, 3], &cfg);
+        let s = (1.0f64 + 1e-8).sqrt();
+        close(&adv, &[1.5 / s, -0.5 / s]);
+    }
+
+    #[test]
+    fn names_resolve_and_unknown_names_list_the_valid_ones() {
+        assert_eq!(
+            AdvantageEstimator::from_name("rloo").unwrap(),
+            AdvantageEstimator::Rloo
+        );
+        let e = AdvantageEstimator::from_name("gae")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gae") && e.contains("grpo"), "{e}");
+    }
+}

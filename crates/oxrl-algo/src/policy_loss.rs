@@ -1,0 +1,272 @@
+//! Policy-gradient losses per token, before aggregation, as in `docs/rl-algorithms.md`.
+//! Inputs are flat `[N]` tensors over the response tokens of consecutive sequences
+//! (`seq_lens` gives their lengths); only `logp` carries a gradient.
+
+use crate::{lookup, UnknownName};
+use candle_core::{Result, Tensor};
+
+/// Log-ratios are clamped to ±20 before `exp`, as verl and SkyRL do.
+const LOG_RATIO_CLAMP: f32 = 20.0;
+/// GSPO's sequence log-ratio is clamped above at 10 (verl).
+const GSPO_LOG_RATIO_MAX: f32 = 10.0;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyLoss {
+    /// L = max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)); for A < 0 optionally min(L, −c·A).
+    PpoClip,
+    /// The PPO clip on a sequence-level ratio s_i = exp(mean_t(logp − logp_old)).
+    Gspo,
+    /// L = −sg[clip(ρ, 1−ε_low, 1+ε_high)] · A · logp.
+    Cispo,
+}
+
+const REGISTRY: [(&str, PolicyLoss); 3] = [
+    ("ppo_clip", PolicyLoss::PpoClip),
+    ("gspo", PolicyLoss::Gspo),
+    ("cispo", PolicyLoss::Cispo),
+];
+
+impl PolicyLoss {
+    pub fn from_name(name: &str) -> std::result::Result<Self, UnknownName> {
+        lookup("policy loss", name, &REGISTRY)
+    }
+
+    pub fn names() -> Vec<&'static str> {
+        REGISTRY.iter().map(|(n, _)| *n).collect()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicyLossConfig {
+    pub kind: PolicyLoss,
+    pub clip_low: f64,
+    pub clip_high: f64,
+    /// The dual-clip constant c for negative advantages (`ppo_clip` only); `None` = no dual clip.
+    pub dual_clip_c: Option<f64>,
+}
+
+impl Default for PolicyLossConfig {
+    fn default() -> Self {
+        Self {
+            kind: PolicyLoss::PpoClip,
+            clip_low: 0.2,
+            clip_high: 0.2,
+            dual_clip_c: None,
+        }
+    }
+}
+
+pub struct PolicyLossOutput {
+    /// L per token, `[N]`, differentiable through `logp`.
+    pub per_token: Tensor,
+    /// The importance ratio per token (the sequence ratio for GSPO), for metrics.
+    pub ratio: Vec<f32>,
+    /// Tokens where the clipped term was the one taken (verl's `pg_clipfrac` numerator).
+    pub clipped: usize,
+    /// Tokens where the dual clip was taken.
+    pub dual_clipped: usize,
+}
+
+/// Tokens where `−A·clip(ρ) > −A·ρ`, i.e. A > 0 and ρ > 1+ε_high, or A < 0 and ρ < 1−ε_low.
+fn count_clipped(l1: &Tensor, l2: &Tensor) -> Result<usize> {
+    let (a, b) = (l1.to_vec1::<f32>()?, l2.to_vec1::<f32>()?);
+    Ok(a.iter().zip(&b).filter(|(x, y)| y > x).count())
+}
+
+/// `max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high))` with its clip count.
+fn clipped_surrogate(
+    cfg: &PolicyLossConfig,
+    ratio: &Tensor,
+    adv: &Tensor,
+) -> Result<(Tensor, usize)> {
+    let neg_adv = adv.neg()?;
+    let l1 = (&neg_adv * ratio)?;
+    let clipped_ratio = ratio.clamp((1.0 - cfg.clip_low) as f32, (1.0 + cfg.clip_high) as f32)?;
+    let l2 = (&neg_adv * clipped_ratio)?;
+    let clipped = count_clipped(&l1, &l2)?;
+    Ok((l1.maximum(&l2)?, clipped))
+}
+
+/// The per-token policy loss of `logp` against `old_logp` with advantages `adv` (all `[N]`).
+pub fn policy_loss(
+    cfg: &PolicyLossConfig,
+    logp: &Tensor,
+    old_logp: &Tensor,
+    adv: &Tensor,
+    seq_lens: &[usize],
+) -> Result<PolicyLossOutput> {
+    let log_ratio = (logp - old_logp)?.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?;
+    let ratio = log_ratio.exp()?;
+    match cfg.kind {
+        PolicyLoss::PpoClip => {
+            let (mut per_token, clipped) = clipped_surrogate(cfg, &ratio, adv)?;
+            let mut dual_clipped = 0;
+            if let Some(c) = cfg.dual_clip_c {
+                let cap = (adv.neg()? * c)?;
+                let negative = adv.lt(0f32)?.to_dtype(per_token.dtype())?;
+                let (l, capv, a) = (
+                    per_token.to_vec1::<f32>()?,
+                    cap.to_vec1::<f32>()?,
+                    adv.to_vec1::<f32>()?,
+                );
+                dual_clipped = (0..l.len())
+                    .filter(|&i| a[i] < 0.0 && l[i] > capv[i])
+                    .count();
+                let capped = per_token.minimum(&cap)?;
+                per_token = ((&negative * capped)? + ((1.0 - &negative)? * per_token)?)?;
+            }
+            Ok(PolicyLossOutput {
+                per_token,
+                ratio: ratio.to_vec1()?,
+                clipped,
+                dual_clipped,
+            })
+        }
+        PolicyLoss::Gspo => {
+            // s_{i,t} = sg[s_i] · exp(logp − sg[logp]): the value of the sequence ratio, the
+            // gradient of the token's own log-prob.
+            let diff = (logp - old_logp)?.to_vec1::<f32>()?;
+            let mut seq_mean = Vec::with_capacity(diff.len());
+            let mut at = 0;
+            for &n in seq_lens {
+                let m = diff[at..at + n].iter().map(|&x| x as f64).sum::<f64>() / n as f64;
+                seq_mean.extend(std::iter::repeat_n(m as f32, n));
+                at += n;
+            }
+            let seq_mean = Tensor::from_vec(seq_mean, diff.len(), logp.device())?;
+            let log_seq_ratio =
+                ((logp - logp.detach())? + seq_mean)?.minimum(GSPO_LOG_RATIO_MAX)?;
+            let seq_ratio = log_seq_ratio.exp()?;
+            let (per_token, clipped) = clipped_surrogate(cfg, &seq_ratio, adv)?;
+            Ok(PolicyLossOutput {
+                per_token,
+                ratio: seq_ratio.to_vec1()?,
+                clipped,
+                dual_clipped: 0,
+            })
+        }
+        PolicyLoss::Cispo => {
+            let lo = (1.0 - cfg.clip_low) as f32;
+            let hi = (1.0 + cfg.clip_high) as f32;
+            let weight = ratio.clamp(lo, hi)?.detach();
+            let per_token = ((weight * adv)? * logp)?.neg()?;
+            let r = ratio.to_vec1::<f32>()?;
+            let clipped = r.iter().filter(|&&x| x < lo || x > hi).count();
+            Ok(PolicyLossOutput {
+                per_token,
+                ratio: r,
+                clipped,
+                dual_clipped: 0,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// Loss values and d(Σ L)/d logp for single tokens.
+    fn run(
+        cfg: &PolicyLossConfig,
+        logp: &[f32],
+        old: &[f32],
+        adv: &[f32],
+        lens: &[usize],
+    ) -> (Vec<f32>, Vec<f32>, usize, usize) {
+        let dev = Device::Cpu;
+        let x = Var::new(logp, &dev).unwrap();
+        let o = Tensor::new(old, &dev).unwrap();
+        let a = Tensor::new(adv, &dev).unwrap();
+        let out = policy_loss(cfg, x.as_tensor(), &o, &a, lens).unwrap();
+        let g = out.per_token.sum_all().unwrap().backward().unwrap();
+        let grad = g
+            .get(x.as_tensor())
+            .map(|t| t.to_vec1::<f32>().unwrap())
+            .unwrap_or(vec![0.0; logp.len()]);
+        (
+            out.per_token.to_vec1().unwrap(),
+            grad,
+            out.clipped,
+            out.dual_clipped,
+        )
+    }
+
+    fn close(a: &[f32], b: &[f32]) {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
+        }
+    }
+
+    #[test]
+    fn ppo_clip_takes_the_pessimistic_term() {
+        let cfg = PolicyLossConfig {
+            clip_low: 0.2,
+            clip_high: 0.28,
+            ..Default::default()
+        };
+        let l2 = 2f32.ln();
+        // ρ = 2, A = 1: clipped at 1.28 → L = −1.28, no gradient.
+        // ρ = 2, A = −1: unclipped −A·ρ = 2 is larger → L = 2, dL/dlogp = −A·ρ = 2.
+        // ρ = 1, A = 0.5: inside the range → L = −0.5, gradient −0.5.
+        let (l, g, clipped, _) = run(
+            &cfg,
+            &[l2, l2, 0.0],
+            &[0.0, 0.0, 0.0],
+            &[1.0, -1.0, 0.5],
+            &[3],
+        );
+        close(&l, &[-1.28, 2.0, -0.5]);
+        close(&g, &[0.0, 2.0, -0.5]);
+        assert_eq!(clipped, 1);
+    }
+
+    #[test]
+    fn dual_clip_caps_negative_advantages_at_c() {
+        let cfg = PolicyLossConfig {
+            dual_clip_c: Some(3.0),
+            ..Default::default()
+        };
+        // ρ = 4.26 (log 1.45), A = −1: −A·ρ = 4.26 > c·(−A) = 3 → L = 3 with no gradient.
+        let (l, g, _, dual) = run(&cfg, &[1.45], &[0.0], &[-1.0], &[1]);
+        close(&l, &[3.0]);
+        close(&g, &[0.0]);
+        assert_eq!(dual, 1);
+        // Without it, L = 4.26.
+        let (l, _, _, _) = run(&PolicyLossConfig::default(), &[1.45], &[0.0], &[-1.0], &[1]);
+        close(&l, &[1.45f32.exp()]);
+    }
+
+    #[test]
+    fn gspo_uses_the_sequence_mean_log_ratio() {
+        let cfg = PolicyLossConfig {
+            kind: PolicyLoss::Gspo,
+            clip_low: 0.5,
+            clip_high: 0.5,
+            ..Default::default()
+        };
+        // Sequence of two tokens with log-ratios 0.2 and 0.0: s = e^{0.1}; A = 1 → L = −s per
+        // token, gradient −s on each token's logp.
+        let (l, g, clipped, _) = run(&cfg, &[0.2, 0.0], &[0.0, 0.0], &[1.0, 1.0], &[2]);
+        let s = 0.1f32.exp();
+        close(&l, &[-s, -s]);
+        close(&g, &[-s, -s]);
+        assert_eq!(clipped, 0);
+    }
+
+    #[test]
+    fn cispo_weights_logp_by_the_clipped_ratio_without_its_gradient() {
+        let cfg = PolicyLossConfig {
+            kind: PolicyLoss::Cispo,
+            clip_low: 0.2,
+            clip_high: 0.2,
+            ..Default::default()
+        };
+        // logp = log 2, old = 0: ρ = 2 → weight 1.2; A = 1: L = −1.2·log 2, dL/dlogp = −1.2.
+        let (l, g, clipped, _) = run(&cfg, &[2f32.ln()], &[0.0], &[1.0], &[1]);
+        close(&l, &[-1.2 * 2f32.ln()]);
+        close(&g, &[-1.2]);
+        assert_eq!(clipped, 1);
+    }
+}

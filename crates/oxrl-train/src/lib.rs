@@ -1,0 +1,13 @@
+//! oxrl-train: turning trajectories into a better policy. The update step (advantages, old and
+//! reference log-probs, policy loss with KL and entropy terms over micro-batches, clipping,
+//! AdamW, schedules), the trajectory format, and the optimizer state.
+
+pub mod optim;
+pub mod trajectory;
+pub mod update;
+
+pub use optim::{AdamW, AdamWConfig, LrSchedule};
+pub use trajectory::{read_trajectories, Trajectory};
+pub use update::{
+    AlgorithmConfig, OldLogprobs, PolicyTrainer, TrainError, UpdateConfig, UpdateReport,
+};

@@ -1,0 +1,82 @@
+//! Trajectories: what a rollout produced for one sampled response, as plain data that can be
+//! written by one run and trained on by another (`oxrl train --rollouts`).
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trajectory {
+    /// The prompt's id: trajectories with the same uid form a group.
+    pub uid: String,
+    pub prompt_ids: Vec<u32>,
+    pub response_ids: Vec<u32>,
+    pub reward: f64,
+    /// Per response token, the sampling engine's log-probability.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rollout_logprobs: Vec<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finish_reason: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrajectoryError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: {message}")]
+    Line {
+        path: String,
+        line: usize,
+        message: String,
+    },
+}
+
+/// Reads a JSONL file of trajectories; errors name the file and line.
+pub fn read_trajectories(path: &Path) -> Result<Vec<Trajectory>, TrajectoryError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| TrajectoryError::Io {
+        path: shown.clone(),
+        source,
+    })?;
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let bad = |message: String| TrajectoryError::Line {
+            path: shown.clone(),
+            line: i + 1,
+            message,
+        };
+        let t: Trajectory = serde_json::from_str(raw).map_err(|e| bad(e.to_string()))?;
+        if t.prompt_ids.is_empty() || t.response_ids.is_empty() {
+            return Err(bad(
+                "`prompt_ids` and `response_ids` must each hold at least one token".into(),
+            ));
+        }
+        if !t.rollout_logprobs.is_empty() && t.rollout_logprobs.len() != t.response_ids.len() {
+            return Err(bad(format!(
+                "`rollout_logprobs` has {} values for {} response tokens",
+                t.rollout_logprobs.len(),
+                t.response_ids.len()
+            )));
+        }
+        if !t.reward.is_finite() {
+            return Err(bad(format!(
+                "`reward` must be a finite number, got {}",
+                t.reward
+            )));
+        }
+        out.push(t);
+    }
+    if out.is_empty() {
+        return Err(TrajectoryError::Line {
+            path: shown,
+            line: 0,
+            message: "no trajectories".into(),
+        });
+    }
+    Ok(out)
+}

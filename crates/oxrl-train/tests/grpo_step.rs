@@ -1,0 +1,220 @@
+//! One GRPO update step against verl's numbers in `../shared/fixtures/grpo-step/`, with the
+//! tolerances its README states.
+
+use candle_core::{DType, Device};
+use oxrl_algo::{AdvantageConfig, KlEstimator, LossAgg, PolicyLossConfig};
+use oxrl_fixtures::fixture;
+use oxrl_models::Qwen3;
+use oxrl_train::{
+    read_trajectories, AdamWConfig, AlgorithmConfig, LrSchedule, OldLogprobs, PolicyTrainer,
+    UpdateConfig, UpdateReport,
+};
+use serde_json::Value;
+
+fn algorithm() -> AlgorithmConfig {
+    AlgorithmConfig {
+        advantage: AdvantageConfig {
+            eps: 1e-6,
+            ..Default::default()
+        },
+        policy_loss: PolicyLossConfig {
+            clip_low: 0.2,
+            clip_high: 0.28,
+            ..Default::default()
+        },
+        kl_coef: 0.01,
+        kl_estimator: KlEstimator::K3,
+        loss_agg: LossAgg::TokenMean,
+        kl_loss_agg: LossAgg::TokenMean,
+        loss_scale_factor: 1.0,
+        old_logprobs: OldLogprobs::Rollout,
+        entropy_coef: 0.0,
+    }
+}
+
+fn update(micro_batch_size: usize) -> UpdateConfig {
+    UpdateConfig {
+        temperature: 1.0,
+        mini_batch_size: None,
+        micro_batch_size,
+        ppo_epochs: 1,
+        max_grad_norm: 1.0,
+        optimizer: AdamWConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        lr_schedule: LrSchedule::Constant,
+        warmup_steps: 0,
+        total_steps: 1,
+    }
+}
+
+fn run(micro_batch_size: usize) -> (PolicyTrainer, UpdateReport) {
+    let dir = fixture("grpo-step");
+    let policy = Qwen3::load(&dir.join("policy"), DType::F32, &Device::Cpu).unwrap();
+    let reference = Qwen3::load(&dir.join("ref"), DType::F32, &Device::Cpu).unwrap();
+    let trajs = read_trajectories(&dir.join("rollouts.jsonl")).unwrap();
+    let mut trainer = PolicyTrainer::new(
+        policy,
+        Some(reference),
+        algorithm(),
+        update(micro_batch_size),
+    )
+    .unwrap();
+    let report = trainer.step(&trajs).unwrap();
+    (trainer, report)
+}
+
+fn expected() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture("grpo-step/expected.json")).unwrap())
+        .unwrap()
+}
+
+fn rel_close(got: f64, want: f64, rel: f64, abs: f64, what: &str) {
+    let tol = (rel * want.abs()).max(abs);
+    assert!(
+        (got - want).abs() <= tol,
+        "{what}: {got} vs {want} (tolerance {tol})"
+    );
+}
+
+fn per_token(v: &Value) -> Vec<Vec<f64>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn grpo_step_matches_verl() {
+    let want = expected();
+    let (trainer, report) = run(12);
+    for (g, w) in report
+        .advantages
+        .iter()
+        .zip(want["advantages"].as_array().unwrap())
+    {
+        assert!(
+            (g - w.as_f64().unwrap()).abs() <= 1e-6,
+            "advantage {g} vs {w}"
+        );
+    }
+    for (name, got) in [
+        ("logprobs", &report.logprobs),
+        ("ref_logprobs", report.ref_logprobs.as_ref().unwrap()),
+    ] {
+        for (g, w) in got
+            .iter()
+            .flatten()
+            .zip(per_token(&want[name]).iter().flatten())
+        {
+            assert!((*g as f64 - w).abs() <= 1e-4, "{name}: {g} vs {w}");
+        }
+    }
+    for (g, w) in report
+        .ratios
+        .iter()
+        .flatten()
+        .zip(per_token(&want["ratio"]).iter().flatten())
+    {
+        rel_close(*g as f64, *w, 1e-4, 0.0, "ratio");
+    }
+    let m = &report.metrics;
+    for key in ["pg_loss", "kl", "loss"] {
+        rel_close(m[key], want[key].as_f64().unwrap(), 1e-4, 1e-6, key);
+    }
+    rel_close(
+        m["grad_norm"],
+        want["grad_norm"].as_f64().unwrap(),
+        1e-4,
+        0.0,
+        "grad_norm",
+    );
+    assert!((m["pg_clipfrac"] - want["pg_clipfrac"].as_f64().unwrap()).abs() <= 1e-6);
+    assert_eq!(
+        (m["pg_clipfrac"] * 78.0).round() as u64,
+        want["pg_clipped_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(m["pg_clipfrac_lower"], 0.0);
+    let per_param = want["grad_norm_per_param"].as_object().unwrap();
+    assert_eq!(per_param.len(), report.grad_norm_per_param.len());
+    for (name, norm) in &report.grad_norm_per_param {
+        rel_close(*norm, per_param[name].as_f64().unwrap(), 1e-3, 0.0, name);
+    }
+    // The parameters after the step, in named_parameters() order.
+    let after = want["params_after_step"].as_array().unwrap();
+    let params = trainer.policy.named_parameters();
+    assert_eq!(params.len(), after.len());
+    for ((name, t), w) in params.iter().zip(after) {
+        assert_eq!(name, w["name"].as_str().unwrap());
+        let v: Vec<f64> = t
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        let sum: f64 = v.iter().sum();
+        let l2 = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        assert!(
+            (sum - w["sum"].as_f64().unwrap()).abs() <= 2e-4,
+            "{name}: sum {sum} vs {}",
+            w["sum"]
+        );
+        rel_close(
+            l2,
+            w["l2"].as_f64().unwrap(),
+            1e-6,
+            0.0,
+            &format!("{name} l2"),
+        );
+    }
+    let full = want["full_values_after_step"].as_object().unwrap();
+    for (name, values) in full {
+        let t = &params.iter().find(|(n, _)| n == name).unwrap().1;
+        let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (g, w) in got.iter().zip(values.as_array().unwrap()) {
+            assert!(
+                (*g as f64 - w.as_f64().unwrap()).abs() <= 2e-6,
+                "{name}: {g} vs {w}"
+            );
+        }
+    }
+}
+
+/// The same step split into micro-batches of 5 (5 + 5 + 2 trajectories, groups cut across
+/// micro-batches) gives the same loss, gradient norm and weights.
+#[test]
+fn micro_batching_does_not_change_the_step() {
+    let (whole_trainer, whole) = run(12);
+    let (split_trainer, split) = run(5);
+    for key in ["loss", "pg_loss", "kl", "grad_norm", "pg_clipfrac"] {
+        rel_close(split.metrics[key], whole.metrics[key], 1e-5, 1e-7, key);
+    }
+    for ((n, a), (_, b)) in whole_trainer
+        .policy
+        .named_parameters()
+        .iter()
+        .zip(split_trainer.policy.named_parameters())
+    {
+        let d = (a - &b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d <= 1e-6, "{n}: {d}");
+    }
+}
