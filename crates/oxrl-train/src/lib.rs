@@ -2,10 +2,12 @@
 //! reference log-probs, policy loss with KL and entropy terms over micro-batches, clipping,
 //! AdamW, schedules), the trajectory format, and the optimizer state.
 
+pub mod config;
 pub mod optim;
 pub mod trajectory;
 pub mod update;
 
+pub use config::{ConfigError, RunConfig};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
 pub use trajectory::{read_trajectories, Trajectory};
 pub use update::{
