@@ -92,7 +92,7 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> ModelError + '_ {
 }
 
 /// Writes `bytes` to `path` and flushes them to disk.
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = std::fs::File::create(path).map_err(io_err(path))?;
     std::io::Write::write_all(&mut f, bytes).map_err(io_err(path))?;
     f.sync_all().map_err(io_err(path))
@@ -104,13 +104,15 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 ///
 /// `tensors` are saved under their names (split into shards listed by an index when they pass
 /// `max_shard_bytes`),
-/// `config` becomes `config.json`, and the [`SIDE_FILES`] present in `copy_from` are copied.
+/// `config` becomes `config.json`, the [`SIDE_FILES`] present in `copy_from` are copied, and
+/// `extra` writes anything else (optimizer and trainer state) into the directory before the rename.
 pub fn save_checkpoint(
     out: &Path,
     tensors: &[(String, Tensor)],
     config: &serde_json::Value,
     copy_from: Option<&Path>,
     max_shard_bytes: usize,
+    extra: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<()> {
     let name = out
         .file_name()
@@ -189,6 +191,7 @@ pub fn save_checkpoint(
             }
         }
     }
+    extra(&tmp)?;
     if out.exists() {
         let old = parent.join(format!(".{name}.old-{}", std::process::id()));
         std::fs::rename(out, &old).map_err(io_err(out))?;

@@ -126,7 +126,7 @@ impl Qwen3 {
             positions.extend((cache.len..cache.len + chunk.len()).map(|p| p as u32));
             offsets.push(ids.len());
         }
-        self.validate_ids(&ids, "decode input")?;
+        self.validate_vocab(&ids, "decode input")?;
         if let Some(p) = positions
             .iter()
             .find(|&&p| p as usize >= c.max_position_embeddings)

@@ -334,14 +334,20 @@ impl Qwen3 {
         linear(&self.forward_hidden(input_ids)?, &self.lm_head)
     }
 
+    /// Checks that every id is inside the vocabulary.
+    pub fn validate_vocab(&self, ids: &[u32], what: &str) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        match ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(bad) => Err(ModelError::InvalidInput(format!(
+                "{what}: token id {bad} is outside the vocabulary (size {vocab})"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Checks that every id is inside the vocabulary and the sequence fits the model's positions.
     pub fn validate_ids(&self, ids: &[u32], what: &str) -> Result<()> {
-        let vocab = self.config.vocab_size;
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::InvalidInput(format!(
-                "{what}: token id {bad} is outside the vocabulary (size {vocab})"
-            )));
-        }
+        self.validate_vocab(ids, what)?;
         let max = self.config.max_position_embeddings;
         if ids.len() > max {
             return Err(ModelError::InvalidInput(format!(
@@ -473,6 +479,18 @@ impl Qwen3 {
         copy_from: Option<&Path>,
         max_shard_bytes: usize,
     ) -> Result<()> {
+        self.save_with(out, copy_from, max_shard_bytes, &|_| Ok(()))
+    }
+
+    /// [`Qwen3::save_sharded`] with `extra` writing more files into the checkpoint before it
+    /// becomes visible under its name.
+    pub fn save_with(
+        &self,
+        out: &Path,
+        copy_from: Option<&Path>,
+        max_shard_bytes: usize,
+        extra: &dyn Fn(&Path) -> Result<()>,
+    ) -> Result<()> {
         let mut config = self.config_json.clone();
         let dtype_key = match config.get("torch_dtype") {
             Some(_) => "torch_dtype",
@@ -486,6 +504,7 @@ impl Qwen3 {
             &config,
             copy_from,
             max_shard_bytes,
+            extra,
         )
     }
 }
@@ -547,5 +566,40 @@ impl Qwen3 {
             }
         }
         Self::from_tensors(config, config_json, t, dtype, device)
+    }
+}
+
+impl Qwen3 {
+    /// A second handle on the same weights without autograd tracking, for the rollout engine:
+    /// the tensors share storage, so an optimizer's in-place update (`Var::set`) shows in both.
+    pub fn detached(&self) -> Self {
+        let d = |t: &Tensor| t.detach();
+        Self {
+            config: self.config.clone(),
+            config_json: self.config_json.clone(),
+            embed_tokens: d(&self.embed_tokens),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| Layer {
+                    input_layernorm: d(&l.input_layernorm),
+                    q_proj: d(&l.q_proj),
+                    k_proj: d(&l.k_proj),
+                    v_proj: d(&l.v_proj),
+                    o_proj: d(&l.o_proj),
+                    q_norm: d(&l.q_norm),
+                    k_norm: d(&l.k_norm),
+                    post_attention_layernorm: d(&l.post_attention_layernorm),
+                    gate_proj: d(&l.gate_proj),
+                    up_proj: d(&l.up_proj),
+                    down_proj: d(&l.down_proj),
+                })
+                .collect(),
+            norm: d(&self.norm),
+            lm_head: d(&self.lm_head),
+            tied: self.tied,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        }
     }
 }

@@ -9,7 +9,9 @@
 
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::update::{AlgorithmConfig, OldLogprobs, UpdateConfig};
-use oxrl_algo::{AdvantageConfig, AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, PolicyLossConfig};
+use oxrl_algo::{
+    AdvantageConfig, AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, PolicyLossConfig,
+};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use toml::de::{DeTable, DeValue};
@@ -35,7 +37,6 @@ pub const KEYS: &[KeyDoc] = keys! {
     "model" "dtype" = "\"f32\"" : "compute dtype: f32, bf16 or f16";
     "reference" "path" = "the policy's initial weights" : "reference model for the KL term (loaded only when kl_coef > 0)";
     "data" "train_files" = "(required unless --rollouts)" : "JSONL dataset(s), paths relative to this file";
-    "data" "val_files" = "none" : "optional validation JSONL, scored with greedy decoding";
     "data" "prompt_key" = "\"prompt\"" : "column with the prompt: a string or chat messages";
     "data" "answer_key" = "\"answer\"" : "column with the ground truth passed to rewards";
     "data" "max_prompt_length" = "1024" : "prompt tokens after the chat template";
@@ -91,7 +92,15 @@ pub const KEYS: &[KeyDoc] = keys! {
 };
 
 /// Keys of one `[[reward.functions]]` table.
-pub const REWARD_FUNCTION_KEYS: &[&str] = &["type", "name", "weight", "pattern", "tolerance", "target_length", "answer_key"];
+pub const REWARD_FUNCTION_KEYS: &[&str] = &[
+    "type",
+    "name",
+    "weight",
+    "pattern",
+    "tolerance",
+    "target_length",
+    "answer_key",
+];
 
 #[derive(Debug, thiserror::Error)]
 #[error("{path}:{line}: {message}")]
@@ -127,7 +136,6 @@ enum OneOrMany {
 #[serde(default)]
 struct RawData {
     train_files: Option<OneOrMany>,
-    val_files: Option<OneOrMany>,
     prompt_key: Option<String>,
     answer_key: Option<String>,
     max_prompt_length: Option<usize>,
@@ -193,7 +201,6 @@ struct RawAlgorithm {
     entropy_coef: Option<f64>,
 }
 
-
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 struct RawTrainer {
@@ -244,7 +251,6 @@ struct RawConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataConfig {
     pub train_files: Vec<PathBuf>,
-    pub val_files: Vec<PathBuf>,
     pub prompt_key: String,
     pub answer_key: String,
     pub max_prompt_length: usize,
@@ -319,7 +325,16 @@ fn closest<'a>(name: &str, candidates: impl Iterator<Item = &'a str>) -> Option<
         .map(|(_, c)| c)
 }
 
-const SECTIONS: [&str; 8] = ["model", "reference", "data", "rollout", "reward", "algorithm", "trainer", "logging"];
+const SECTIONS: [&str; 8] = [
+    "model",
+    "reference",
+    "data",
+    "rollout",
+    "reward",
+    "algorithm",
+    "trainer",
+    "logging",
+];
 
 /// Where each key of the file sits, and the checks that need the file's text.
 struct Located<'a> {
@@ -357,7 +372,10 @@ impl Located<'_> {
             Some(c) => format!("; did you mean `{c}`?"),
             None => String::new(),
         };
-        self.err(line_of(self.text, span), format!("unknown key `{dotted}`{hint}"))
+        self.err(
+            line_of(self.text, span),
+            format!("unknown key `{dotted}`{hint}"),
+        )
     }
 
     /// Records every key's line and rejects keys that are not in [`KEYS`].
@@ -371,9 +389,14 @@ impl Located<'_> {
                     for (sub, v) in table {
                         let s = sub.get_ref().as_ref();
                         let dotted = format!("{k}.{s}");
-                        self.lines.push((dotted.clone(), line_of(self.text, sub.span().start)));
+                        self.lines
+                            .push((dotted.clone(), line_of(self.text, sub.span().start)));
                         if !KEYS.iter().any(|d| d.section == k && d.key == s) {
-                            let valid = KEYS.iter().filter(|d| d.section == k).map(|d| d.key.to_string()).collect();
+                            let valid = KEYS
+                                .iter()
+                                .filter(|d| d.section == k)
+                                .map(|d| d.key.to_string())
+                                .collect();
                             return Err(self.unknown(&dotted, sub.span().start, valid));
                         }
                         if dotted == "reward.functions" {
@@ -387,9 +410,19 @@ impl Located<'_> {
                 }
                 _ => {
                     let mut valid: Vec<String> = SECTIONS.iter().map(|s| s.to_string()).collect();
-                    valid.extend(KEYS.iter().filter(|d| d.section.is_empty()).map(|d| d.key.to_string()));
+                    valid.extend(
+                        KEYS.iter()
+                            .filter(|d| d.section.is_empty())
+                            .map(|d| d.key.to_string()),
+                    );
                     if let Some(d) = KEYS.iter().find(|d| d.key == k) {
-                        return Err(self.err(at, format!("unknown key `{k}`; did you mean `{}` in [{}]?", d.key, d.section)));
+                        return Err(self.err(
+                            at,
+                            format!(
+                                "unknown key `{k}`; did you mean `{}` in [{}]?",
+                                d.key, d.section
+                            ),
+                        ));
                     }
                     return Err(self.unknown(k, key.span().start, valid));
                 }
@@ -400,7 +433,10 @@ impl Located<'_> {
 
     fn walk_reward_functions(&self, v: &Spanned<DeValue>) -> Result<(), ConfigError> {
         let DeValue::Array(items) = v.get_ref() else {
-            return Err(self.err(line_of(self.text, v.span().start), "key `reward.functions`: expected [[reward.functions]] tables".into()));
+            return Err(self.err(
+                line_of(self.text, v.span().start),
+                "key `reward.functions`: expected [[reward.functions]] tables".into(),
+            ));
         };
         for item in items {
             if let DeValue::Table(t) = item.get_ref() {
@@ -408,7 +444,11 @@ impl Located<'_> {
                     let name = k.get_ref().as_ref();
                     if !REWARD_FUNCTION_KEYS.contains(&name) {
                         let valid = REWARD_FUNCTION_KEYS.iter().map(|s| s.to_string()).collect();
-                        return Err(self.unknown(&format!("reward.functions.{name}"), k.span().start, valid));
+                        return Err(self.unknown(
+                            &format!("reward.functions.{name}"),
+                            k.span().start,
+                            valid,
+                        ));
                     }
                 }
             }
@@ -443,13 +483,31 @@ fn preset(name: &str) -> Option<RawAlgorithm> {
     Some(a)
 }
 
+/// `base/rel` with `.` and `..` resolved lexically (`examples/a/../../runs` → `runs`).
+fn join_clean(base: &Path, rel: &str) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::new();
+    for c in base.join(rel).components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir
+                if matches!(out.components().next_back(), Some(Component::Normal(_))) =>
+            {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
+}
+
 fn resolve_paths(base: &Path, files: Option<OneOrMany>) -> Vec<PathBuf> {
     let list = match files {
         None => Vec::new(),
         Some(OneOrMany::One(f)) => vec![f],
         Some(OneOrMany::Many(v)) => v,
     };
-    list.into_iter().map(|f| base.join(f)).collect()
+    list.into_iter().map(|f| join_clean(base, &f)).collect()
 }
 
 impl RunConfig {
@@ -490,13 +548,22 @@ fn loc_err(path: &Path, line: usize, message: String) -> ConfigError {
 
 fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
     let base = loc.path.parent().unwrap_or(Path::new(".")).to_path_buf();
-    let model_path = match (raw.model.path, raw.policy_model) {
-        (Some(_), Some(_)) => return Err(loc.bad("policy_model", "give either [model] path or policy_model, not both")),
-        (Some(p), None) | (None, Some(p)) => p,
-        (None, None) => return Err(loc.bad("model.path", "the policy model is required ([model] path = \"...\" or policy_model = \"...\")")),
-    };
+    let model_path =
+        match (raw.model.path, raw.policy_model) {
+            (Some(_), Some(_)) => {
+                return Err(loc.bad(
+                    "policy_model",
+                    "give either [model] path or policy_model, not both",
+                ))
+            }
+            (Some(p), None) | (None, Some(p)) => p,
+            (None, None) => return Err(loc.bad(
+                "model.path",
+                "the policy model is required ([model] path = \"...\" or policy_model = \"...\")",
+            )),
+        };
     let local_or_hub = |p: String| match base.join(&p).exists() {
-        true => base.join(&p).display().to_string(),
+        true => join_clean(&base, &p).display().to_string(),
         false => p,
     };
     if raw.reward_model.is_some() {
@@ -509,21 +576,28 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
     }
     let dtype = raw.model.dtype.unwrap_or_else(|| "f32".into());
     if !["f32", "bf16", "f16"].contains(&dtype.as_str()) {
-        return Err(loc.bad("model.dtype", format!("expected \"f32\", \"bf16\" or \"f16\", got \"{dtype}\"")));
+        return Err(loc.bad(
+            "model.dtype",
+            format!("expected \"f32\", \"bf16\" or \"f16\", got \"{dtype}\""),
+        ));
     }
 
     let d = raw.data;
     let overlong = d.overlong_prompts.unwrap_or_else(|| "filter".into());
     let data = DataConfig {
         train_files: resolve_paths(&base, d.train_files),
-        val_files: resolve_paths(&base, d.val_files),
         prompt_key: d.prompt_key.unwrap_or_else(|| "prompt".into()),
         answer_key: d.answer_key.unwrap_or_else(|| "answer".into()),
         max_prompt_length: d.max_prompt_length.unwrap_or(1024),
         filter_overlong: match overlong.as_str() {
             "filter" => true,
             "error" => false,
-            other => return Err(loc.bad("data.overlong_prompts", format!("expected \"filter\" or \"error\", got \"{other}\""))),
+            other => {
+                return Err(loc.bad(
+                    "data.overlong_prompts",
+                    format!("expected \"filter\" or \"error\", got \"{other}\""),
+                ))
+            }
         },
         enable_thinking: d.enable_thinking,
         shuffle: d.shuffle.unwrap_or(true),
@@ -546,7 +620,10 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         return Err(loc.bad("rollout.max_new_tokens", "expected at least 1"));
     }
     if !(rollout.temperature > 0.0 && rollout.temperature.is_finite()) {
-        return Err(loc.bad("rollout.temperature", "expected a positive number (the trainer's log-probs divide by it)"));
+        return Err(loc.bad(
+            "rollout.temperature",
+            "expected a positive number (the trainer's log-probs divide by it)",
+        ));
     }
     if !(rollout.top_p > 0.0 && rollout.top_p <= 1.0) {
         return Err(loc.bad("rollout.top_p", "expected a number in (0, 1]"));
@@ -560,7 +637,7 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         failure_score: raw.reward.failure_score.unwrap_or(0.0),
         timeout_s: raw.reward.timeout_s.unwrap_or(10.0),
     };
-    if !(reward.timeout_s > 0.0) {
+    if reward.timeout_s.is_nan() || reward.timeout_s <= 0.0 {
         return Err(loc.bad("reward.timeout_s", "expected a positive number of seconds"));
     }
 
@@ -573,18 +650,27 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
     };
     let name_err = |key: &str, e: oxrl_algo::UnknownName| loc.bad(key, e);
     let adv_name = a.advantage.unwrap_or_else(|| "grpo".into());
-    let estimator = AdvantageEstimator::from_name(&adv_name).map_err(|e| name_err("algorithm.advantage", e))?;
-    let loss_agg = LossAgg::from_name(a.loss_agg.as_deref().unwrap_or("token_mean")).map_err(|e| name_err("algorithm.loss_agg", e))?;
+    let estimator =
+        AdvantageEstimator::from_name(&adv_name).map_err(|e| name_err("algorithm.advantage", e))?;
+    let loss_agg = LossAgg::from_name(a.loss_agg.as_deref().unwrap_or("token_mean"))
+        .map_err(|e| name_err("algorithm.loss_agg", e))?;
     let kl_loss_agg = match a.kl_loss_agg {
         Some(n) => LossAgg::from_name(&n).map_err(|e| name_err("algorithm.kl_loss_agg", e))?,
         None => loss_agg,
     };
-    let kind = PolicyLoss::from_name(a.policy_loss.as_deref().unwrap_or("ppo_clip")).map_err(|e| name_err("algorithm.policy_loss", e))?;
-    let kl_estimator = KlEstimator::from_name(a.kl_estimator.as_deref().unwrap_or("k3")).map_err(|e| name_err("algorithm.kl_estimator", e))?;
+    let kind = PolicyLoss::from_name(a.policy_loss.as_deref().unwrap_or("ppo_clip"))
+        .map_err(|e| name_err("algorithm.policy_loss", e))?;
+    let kl_estimator = KlEstimator::from_name(a.kl_estimator.as_deref().unwrap_or("k3"))
+        .map_err(|e| name_err("algorithm.kl_estimator", e))?;
     let old_logprobs = match a.old_logprobs.as_deref().unwrap_or("recompute") {
         "recompute" => OldLogprobs::Recompute,
         "rollout" => OldLogprobs::Rollout,
-        other => return Err(loc.bad("algorithm.old_logprobs", format!("expected \"recompute\" or \"rollout\", got \"{other}\""))),
+        other => {
+            return Err(loc.bad(
+                "algorithm.old_logprobs",
+                format!("expected \"recompute\" or \"rollout\", got \"{other}\""),
+            ))
+        }
     };
     let non_negative = |key: &str, v: f64| -> Result<f64, ConfigError> {
         match v >= 0.0 && v.is_finite() {
@@ -603,7 +689,12 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
             clip_low: non_negative("algorithm.clip_low", a.clip_low.unwrap_or(0.2))?,
             clip_high: non_negative("algorithm.clip_high", a.clip_high.unwrap_or(0.2))?,
             dual_clip_c: match a.dual_clip_c {
-                Some(c) if c <= 1.0 => return Err(loc.bad("algorithm.dual_clip_c", format!("expected a number above 1 (about 3), got {c}"))),
+                Some(c) if c <= 1.0 => {
+                    return Err(loc.bad(
+                        "algorithm.dual_clip_c",
+                        format!("expected a number above 1 (about 3), got {c}"),
+                    ))
+                }
                 c => c,
             },
         },
@@ -613,7 +704,12 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         kl_loss_agg,
         loss_scale_factor: match a.loss_scale_factor {
             Some(f) if f > 0.0 => f,
-            Some(f) => return Err(loc.bad("algorithm.loss_scale_factor", format!("expected a positive number, got {f}"))),
+            Some(f) => {
+                return Err(loc.bad(
+                    "algorithm.loss_scale_factor",
+                    format!("expected a positive number, got {f}"),
+                ))
+            }
             None => rollout.max_new_tokens as f64,
         },
         old_logprobs,
@@ -621,23 +717,39 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
     };
 
     let t = raw.trainer;
-    let pick = |flat: Option<usize>, sectioned: Option<usize>, key: &str| -> Result<Option<usize>, ConfigError> {
+    let pick = |flat: Option<usize>,
+                sectioned: Option<usize>,
+                key: &str|
+     -> Result<Option<usize>, ConfigError> {
         match (flat, sectioned) {
-            (Some(_), Some(_)) => Err(loc.bad(key, format!("given twice: as `{key}` and in [trainer]"))),
+            (Some(_), Some(_)) => {
+                Err(loc.bad(key, format!("given twice: as `{key}` and in [trainer]")))
+            }
             (a, b) => Ok(a.or(b)),
         }
     };
     let batch_size = pick(raw.batch_size, t.batch_size, "batch_size")?.unwrap_or(8);
-    let gas = pick(raw.gradient_accumulation_steps, t.gradient_accumulation_steps, "gradient_accumulation_steps")?;
+    let gas = pick(
+        raw.gradient_accumulation_steps,
+        t.gradient_accumulation_steps,
+        "gradient_accumulation_steps",
+    )?;
     let micro_batch_size = t.micro_batch_size.unwrap_or(8);
-    for (key, v) in [("trainer.batch_size", batch_size), ("trainer.micro_batch_size", micro_batch_size), ("trainer.gradient_accumulation_steps", gas.unwrap_or(1))] {
+    for (key, v) in [
+        ("trainer.batch_size", batch_size),
+        ("trainer.micro_batch_size", micro_batch_size),
+        ("trainer.gradient_accumulation_steps", gas.unwrap_or(1)),
+    ] {
         if v == 0 {
             return Err(loc.bad(key, "expected at least 1"));
         }
     }
     let lr = t.lr.unwrap_or(1e-6);
     if !(lr > 0.0 && lr.is_finite()) {
-        return Err(loc.bad("trainer.lr", format!("expected a positive number, got {lr}")));
+        return Err(loc.bad(
+            "trainer.lr",
+            format!("expected a positive number, got {lr}"),
+        ));
     }
     let betas = t.adam_betas.unwrap_or((0.9, 0.999));
     if !(0.0..1.0).contains(&betas.0) || !(0.0..1.0).contains(&betas.1) {
@@ -648,12 +760,18 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         "constant" => LrSchedule::Constant,
         "linear" => LrSchedule::Linear,
         "cosine" => LrSchedule::Cosine,
-        other => return Err(loc.bad("trainer.lr_schedule", format!("expected one of {:?}, got \"{other}\"", LrSchedule::NAMES))),
+        other => {
+            return Err(loc.bad(
+                "trainer.lr_schedule",
+                format!("expected one of {:?}, got \"{other}\"", LrSchedule::NAMES),
+            ))
+        }
     };
     let max_steps = t.max_steps.unwrap_or(100);
     let trajectories_per_step = batch_size * rollout.n_samples_per_prompt;
     let mini_batch_size = gas.map(|g| g * micro_batch_size);
-    let optimizer_steps_per_step = mini_batch_size.map_or(1, |m| trajectories_per_step.div_ceil(m)) as u64;
+    let optimizer_steps_per_step =
+        mini_batch_size.map_or(1, |m| trajectories_per_step.div_ceil(m)) as u64;
     let ppo_epochs = t.ppo_epochs.unwrap_or(1);
     if ppo_epochs == 0 {
         return Err(loc.bad("trainer.ppo_epochs", "expected at least 1"));
@@ -674,7 +792,10 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         warmup_steps: t.warmup_steps.unwrap_or(0),
         total_steps: max_steps * optimizer_steps_per_step * ppo_epochs as u64,
     };
-    let stem = loc.path.file_stem().map_or("run".into(), |s| s.to_string_lossy().to_string());
+    let stem = loc
+        .path
+        .file_stem()
+        .map_or("run".into(), |s| s.to_string_lossy().to_string());
     Ok(RunConfig {
         source: loc.path.to_path_buf(),
         model_path: local_or_hub(model_path),
@@ -690,7 +811,7 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         save_every: t.save_every.unwrap_or(0),
         seed: t.seed.unwrap_or(42),
         output_dir: match t.output_dir {
-            Some(d) => base.join(d),
+            Some(d) => join_clean(&base, &d),
             None => PathBuf::from("runs").join(stem),
         },
         prometheus_port: raw.logging.prometheus_port,
@@ -709,7 +830,10 @@ pub fn explain() -> String {
                 s => format!("\n[{s}]\n"),
             });
         }
-        out.push_str(&format!("{:<28} default {:<28} {}\n", d.key, d.default, d.meaning));
+        out.push_str(&format!(
+            "{:<28} default {:<28} {}\n",
+            d.key, d.default, d.meaning
+        ));
     }
     out
 }
@@ -739,26 +863,54 @@ mod tests {
         let c = parse("policy_model = \"m\"\nalgorithm = \"GRPO\"\nnum_gpus = 1\nbatch_size = 4\ngradient_accumulation_steps = 2\n[trainer]\nmicro_batch_size = 3\n").unwrap();
         assert_eq!(c.model_path, "m");
         assert_eq!(c.batch_size, 4);
-        assert_eq!(c.update.mini_batch_size, Some(6), "2 micro-batches of 3 per optimizer step");
+        assert_eq!(
+            c.update.mini_batch_size,
+            Some(6),
+            "2 micro-batches of 3 per optimizer step"
+        );
         let dr = parse("policy_model = \"m\"\nalgorithm = \"DR_GRPO\"\n").unwrap();
         assert!(!dr.algorithm.advantage.norm_adv_by_std);
         assert_eq!(dr.algorithm.loss_agg, LossAgg::SeqMeanTokenSumNorm);
-        let e = parse("policy_model = \"m\"\nreward_model = \"r\"\n").unwrap_err().to_string();
-        assert!(e.starts_with("dir/run.toml:2:") && e.contains("reward_model"), "{e}");
+        let e = parse("policy_model = \"m\"\nreward_model = \"r\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("dir/run.toml:2:") && e.contains("reward_model"),
+            "{e}"
+        );
     }
 
     #[test]
     fn unknown_keys_name_file_line_and_the_closest_key() {
-        let e = parse("[model]\npath = \"m\"\n\n[trainer]\nlearning_rate = 1\nlr = 1e-5\n").unwrap_err().to_string();
-        assert!(e.starts_with("dir/run.toml:5:") && e.contains("trainer.learning_rate"), "{e}");
-        let e = parse("[model]\npath = \"m\"\n[algorithm]\nclip_hihg = 0.3\n").unwrap_err().to_string();
+        let e = parse("[model]\npath = \"m\"\n\n[trainer]\nlearning_rate = 1\nlr = 1e-5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("dir/run.toml:5:") && e.contains("trainer.learning_rate"),
+            "{e}"
+        );
+        let e = parse("[model]\npath = \"m\"\n[algorithm]\nclip_hihg = 0.3\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("did you mean `clip_high`"), "{e}");
         let e = parse("[modle]\npath = \"m\"\n").unwrap_err().to_string();
-        assert!(e.starts_with("dir/run.toml:1:") && e.contains("did you mean `model`"), "{e}");
-        let e = parse("lr = 1\n[model]\npath = \"m\"\n").unwrap_err().to_string();
+        assert!(
+            e.starts_with("dir/run.toml:1:") && e.contains("did you mean `model`"),
+            "{e}"
+        );
+        let e = parse("lr = 1\n[model]\npath = \"m\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("`lr` in [trainer]"), "{e}");
-        let e = parse("[model]\npath = \"m\"\n[[reward.functions]]\ntype = \"format\"\npatern = \"x\"\n").unwrap_err().to_string();
-        assert!(e.starts_with("dir/run.toml:5:") && e.contains("pattern"), "{e}");
+        let e = parse(
+            "[model]\npath = \"m\"\n[[reward.functions]]\ntype = \"format\"\npatern = \"x\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("dir/run.toml:5:") && e.contains("pattern"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -774,11 +926,30 @@ mod tests {
             ("algorithm = \"PPO2\"\n", "GRPO"),
         ];
         for (text, want) in cases {
-            let e = parse(&format!("policy_model = \"m\"\n{text}")).unwrap_err().to_string();
+            let e = parse(&format!("policy_model = \"m\"\n{text}"))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(want), "{text}: {e}");
         }
         let e = parse("[trainer]\nlr = 1e-6\n").unwrap_err().to_string();
         assert!(e.contains("model.path"), "{e}");
+    }
+
+    #[test]
+    fn relative_paths_are_relative_to_the_config_file() {
+        let c = RunConfig::from_str(
+            "policy_model = \"m\"\n[data]\ntrain_files = [\"d/a.jsonl\", \"../b.jsonl\"]\n[trainer]\noutput_dir = \"../../runs/x\"\n",
+            Path::new("examples/demo/run.toml"),
+        )
+        .unwrap();
+        assert_eq!(
+            c.data.train_files,
+            vec![
+                PathBuf::from("examples/demo/d/a.jsonl"),
+                PathBuf::from("examples/b.jsonl")
+            ]
+        );
+        assert_eq!(c.output_dir, PathBuf::from("runs/x"));
     }
 
     #[test]

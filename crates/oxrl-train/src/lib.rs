@@ -3,11 +3,17 @@
 //! AdamW, schedules), the trajectory format, and the optimizer state.
 
 pub mod config;
+pub mod data;
+pub mod grpo;
+pub mod observe;
 pub mod optim;
+pub mod sft;
+pub mod state;
 pub mod trajectory;
 pub mod update;
 
 pub use config::{ConfigError, RunConfig};
+pub use grpo::{replay, GrpoRun, RunSummary};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
 pub use trajectory::{read_trajectories, Trajectory};
 pub use update::{

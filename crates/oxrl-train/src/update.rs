@@ -24,6 +24,20 @@ pub enum TrainError {
     Model(#[from] oxrl_models::ModelError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Engine(#[from] oxrl_rollout::EngineError),
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    #[error(transparent)]
+    Trajectory(#[from] crate::trajectory::TrajectoryError),
+    #[error("{0}")]
+    Io(String),
+}
+
+impl From<std::io::Error> for TrainError {
+    fn from(e: std::io::Error) -> Self {
+        TrainError::Io(e.to_string())
+    }
 }
 
 pub type Result<T> = std::result::Result<T, TrainError>;
@@ -93,6 +107,15 @@ pub struct PolicyTrainer {
     pub update: UpdateConfig,
 }
 
+/// What one optimizer step did.
+struct Applied {
+    /// Global gradient norm before clipping.
+    grad_norm: f64,
+    lr: f64,
+    /// Each parameter's gradient norm before clipping.
+    per_param: Vec<(String, f64)>,
+}
+
 /// Running sums of one update's metrics.
 #[derive(Default)]
 struct Sums {
@@ -160,6 +183,11 @@ impl PolicyTrainer {
         })
     }
 
+    /// The trainable parameters by name, in optimizer order.
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
     /// Names of the trainable parameters, in optimizer order.
     pub fn parameter_names(&self) -> Vec<&str> {
         self.vars.iter().map(|(n, _)| n.as_str()).collect()
@@ -182,6 +210,7 @@ impl PolicyTrainer {
             advantages: advantages.clone(),
             ..Default::default()
         };
+        let started = std::time::Instant::now();
         let old = match algo.old_logprobs {
             OldLogprobs::Rollout => {
                 if let Some(i) = trajs.iter().position(|t| t.rollout_logprobs.is_empty()) {
@@ -207,10 +236,18 @@ impl PolicyTrainer {
                 old
             }
         };
+        report
+            .metrics
+            .insert("time/old_logprobs".into(), started.elapsed().as_secs_f64());
+        let started = std::time::Instant::now();
         let reference = match (&self.reference, algo.kl_coef > 0.0) {
             (Some(r), true) => Some(self.score(r, &all)?),
             _ => None,
         };
+        report
+            .metrics
+            .insert("time/ref".into(), started.elapsed().as_secs_f64());
+        let started = std::time::Instant::now();
         report.logprobs = vec![Vec::new(); trajs.len()];
         report.ratios = vec![Vec::new(); trajs.len()];
         let mini = self
@@ -233,6 +270,9 @@ impl PolicyTrainer {
                 )?;
             }
         }
+        report
+            .metrics
+            .insert("time/update".into(), started.elapsed().as_secs_f64());
         let steps = sums.optimizer_steps.max(1) as f64;
         let m = &mut report.metrics;
         m.insert("loss".into(), sums.loss / steps);
@@ -359,17 +399,38 @@ impl PolicyTrainer {
                 }
                 at += n;
             }
-            let grads = loss.backward()?;
-            for ((_, var), slot) in self.vars.iter().zip(acc.iter_mut()) {
-                if let Some(g) = grads.get(var.as_tensor()) {
-                    let g = g.to_dtype(DType::F32)?;
-                    *slot = Some(match slot.take() {
-                        Some(prev) => (prev + g)?,
-                        None => g,
-                    });
-                }
+            self.accumulate(&mut acc, &loss)?;
+        }
+        let Applied {
+            grad_norm,
+            lr,
+            per_param,
+        } = self.apply(acc)?;
+        report.grad_norm_per_param = per_param;
+        sums.grad_norm += grad_norm;
+        sums.optimizer_steps += 1;
+        report.metrics.insert("lr".into(), lr);
+        Ok(())
+    }
+
+    /// Adds the gradient of `loss` to `acc` (one slot per parameter).
+    fn accumulate(&self, acc: &mut [Option<Tensor>], loss: &Tensor) -> Result<()> {
+        let grads = loss.backward()?;
+        for ((_, var), slot) in self.vars.iter().zip(acc.iter_mut()) {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                let g = g.to_dtype(DType::F32)?;
+                *slot = Some(match slot.take() {
+                    Some(prev) => (prev + g)?,
+                    None => g,
+                });
             }
         }
+        Ok(())
+    }
+
+    /// Clips the accumulated gradients and takes one AdamW step, writing the new weights into the
+    /// policy; returns the pre-clip norm, the learning rate used and each parameter's grad norm.
+    fn apply(&mut self, acc: Vec<Option<Tensor>>) -> Result<Applied> {
         let mut grads: Vec<Vec<f32>> = Vec::with_capacity(self.vars.len());
         for ((_, var), g) in self.vars.iter().zip(acc) {
             grads.push(match g {
@@ -377,7 +438,7 @@ impl PolicyTrainer {
                 None => vec![0.0; var.as_tensor().elem_count()],
             });
         }
-        report.grad_norm_per_param = self
+        let per_param = self
             .vars
             .iter()
             .zip(&grads)
@@ -409,9 +470,35 @@ impl PolicyTrainer {
                 Tensor::from_slice(&state.master, var.as_tensor().shape(), &self.policy.device)?;
             var.set(&t.to_dtype(var.as_tensor().dtype())?)?;
         }
-        sums.grad_norm += grad_norm;
-        sums.optimizer_steps += 1;
-        report.metrics.insert("lr".into(), lr);
-        Ok(())
+        Ok(Applied {
+            grad_norm,
+            lr,
+            per_param,
+        })
+    }
+
+    /// One supervised step: mean negative log-likelihood of the response tokens over the batch
+    /// (token_mean, micro-batched with accumulation), then clipping and AdamW.
+    pub fn sft_step(&mut self, batch: &[ScoreRequest]) -> Result<BTreeMap<String, f64>> {
+        let tokens: usize = batch.iter().map(|r| r.response_ids.len()).sum();
+        let mut acc: Vec<Option<Tensor>> = vec![None; self.vars.len()];
+        let mut nll = 0.0;
+        for micro in batch.chunks(self.update.micro_batch_size.max(1)) {
+            let out = self.policy.response_logprobs(micro, false)?;
+            let logp = Tensor::cat(
+                &out.iter().map(|o| o.logprobs.clone()).collect::<Vec<_>>(),
+                0,
+            )?;
+            let loss = (logp.sum_all()? * (-1.0 / tokens as f64))?;
+            nll += loss.to_scalar::<f32>()? as f64;
+            self.accumulate(&mut acc, &loss)?;
+        }
+        let Applied { grad_norm, lr, .. } = self.apply(acc)?;
+        Ok(BTreeMap::from([
+            ("loss".to_string(), nll),
+            ("grad_norm".to_string(), grad_norm),
+            ("lr".to_string(), lr),
+            ("tokens".to_string(), tokens as f64),
+        ]))
     }
 }

@@ -6,6 +6,7 @@ mod input;
 mod load;
 mod output;
 mod score;
+mod train;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -27,6 +28,12 @@ enum Command {
     Score(score::ScoreArgs),
     /// Sample continuations of prompts with the batched KV-cache engine.
     Generate(generate::GenerateArgs),
+    /// GRPO training: sample, score, update (or replay recorded trajectories with --rollouts).
+    Train(train::TrainArgs),
+    /// Supervised fine-tuning on chat data (loss on assistant tokens only).
+    Sft(train::SftArgs),
+    /// Explain or check run configurations.
+    Config(train::ConfigArgs),
     /// Speed benchmarks on random-weight models.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -37,6 +44,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Score(args) => score::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Train(args) => train::train(args),
+        Command::Sft(args) => train::sft(args),
+        Command::Config(args) => train::config(args),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -1,0 +1,151 @@
+//! `oxrl sft`: supervised fine-tuning on chat data. Every assistant turn of a conversation is one
+//! example whose loss covers only the assistant's tokens: the prompt is the conversation before
+//! the turn rendered with the generation prompt, the response is what the full render adds.
+
+use crate::config::RunConfig;
+use crate::data::{DataCursor, DataError, DataOrder};
+use crate::grpo::build_trainer;
+use crate::observe::{Gauges, MetricsLog, Progress};
+use crate::state::{self, TrainerState};
+use crate::update::{Result, TrainError};
+use oxrl_models::{hub::resolve_model, ScoreRequest, Tokenizer};
+use serde_json::{Map, Value};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The (prompt, assistant response) token pairs of every conversation in `files`. Each row's
+/// `column` holds the chat messages.
+pub fn load_examples(
+    files: &[PathBuf],
+    column: &str,
+    tok: &Tokenizer,
+    kwargs: &Map<String, Value>,
+) -> std::result::Result<Vec<ScoreRequest>, DataError> {
+    let mut out = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| DataError(format!("{}: {e}", file.display())))?;
+        for (i, raw) in text.lines().enumerate() {
+            if raw.trim().is_empty() {
+                continue;
+            }
+            let at = format!("{}:{}", file.display(), i + 1);
+            let row: Value = serde_json::from_str(raw)
+                .map_err(|e| DataError(format!("{at}: invalid JSON: {e}")))?;
+            let messages = row.get(column).and_then(Value::as_array).ok_or_else(|| {
+                DataError(format!(
+                    "{at}: `{column}` must be a list of chat messages (data.prompt_key)"
+                ))
+            })?;
+            for (turn, m) in messages.iter().enumerate() {
+                if m.get("role").and_then(Value::as_str) != Some("assistant") {
+                    continue;
+                }
+                let render = |upto: usize, gen: bool| {
+                    tok.apply_chat_template(&Value::Array(messages[..upto].to_vec()), gen, kwargs)
+                        .and_then(|t| tok.encode(&t))
+                        .map_err(|e| DataError(format!("{at}: {e}")))
+                };
+                let prompt_ids = render(turn, true)?;
+                let full = render(turn + 1, false)?;
+                if !full.starts_with(&prompt_ids) || full.len() == prompt_ids.len() {
+                    return Err(DataError(format!(
+                        "{at}: turn {turn}: the chat template does not render the conversation as the prompt followed by the reply"
+                    )));
+                }
+                out.push(ScoreRequest {
+                    response_ids: full[prompt_ids.len()..].to_vec(),
+                    prompt_ids,
+                    temperature: 1.0,
+                });
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(DataError(
+            "the dataset has no assistant turns to train on".into(),
+        ));
+    }
+    Ok(out)
+}
+
+/// Runs SFT for `max_steps` steps of `trainer.batch_size` examples; checkpoints like GRPO runs.
+pub fn run(cfg: &RunConfig, resume: bool) -> Result<PathBuf> {
+    let model_dir = resolve_model(&cfg.model_path)?;
+    let tok = Tokenizer::from_dir(&model_dir)?;
+    let mut kwargs = Map::new();
+    if let Some(t) = cfg.data.enable_thinking {
+        kwargs.insert("enable_thinking".into(), Value::Bool(t));
+    }
+    if cfg.data.train_files.is_empty() {
+        return Err(TrainError::Invalid(format!(
+            "{}: [data] train_files is required",
+            cfg.source.display()
+        )));
+    }
+    let examples = load_examples(&cfg.data.train_files, &cfg.data.prompt_key, &tok, &kwargs)?;
+    std::fs::create_dir_all(&cfg.output_dir)?;
+    let resumed = if resume {
+        state::latest(&cfg.output_dir)
+    } else {
+        None
+    };
+    let policy_dir = resumed
+        .as_ref()
+        .map_or(model_dir.clone(), |(_, d)| d.clone());
+    let mut trainer = build_trainer(cfg, &policy_dir)?;
+    let (mut step, cursor) = match &resumed {
+        Some((_, dir)) => {
+            let s = state::load_state(dir)?;
+            state::load_optimizer(dir, &mut trainer, s.optimizer_step)?;
+            (s.step, s.data)
+        }
+        None => (
+            0,
+            DataCursor {
+                epoch: 0,
+                position: 0,
+            },
+        ),
+    };
+    let mut order = DataOrder::new(examples.len(), cfg.seed, cfg.data.shuffle, cursor);
+    let metrics = MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), step)?;
+    let gauges = Gauges::default();
+    if let Some(port) = cfg.prometheus_port {
+        gauges.serve(port)?;
+    }
+    let progress = Progress::new(cfg.max_steps);
+    let save = |trainer: &crate::PolicyTrainer, step: u64, cursor| -> Result<PathBuf> {
+        let s = TrainerState {
+            step,
+            optimizer_step: trainer.optimizer.step,
+            data: cursor,
+            seed: cfg.seed,
+        };
+        state::save(&cfg.output_dir, trainer, &s, Some(&model_dir))
+    };
+    let mut last = policy_dir;
+    while step < cfg.max_steps {
+        let start = Instant::now();
+        let batch: Vec<ScoreRequest> = order
+            .next_batch(cfg.batch_size)
+            .into_iter()
+            .map(|i| examples[i].clone())
+            .collect();
+        let mut m = trainer.sft_step(&batch)?;
+        step += 1;
+        m.insert("time/step".into(), start.elapsed().as_secs_f64());
+        metrics.append(&m, step)?;
+        gauges.set(&m);
+        progress.step(step, &m);
+        if (cfg.save_every > 0 && step.is_multiple_of(cfg.save_every)) || step == cfg.max_steps {
+            last = save(&trainer, step, order.cursor)?;
+        }
+    }
+    Ok(last)
+}
+
+/// The directory a finished SFT run's final weights are in.
+pub fn final_checkpoint(out_dir: &Path) -> Option<PathBuf> {
+    state::latest(out_dir).map(|(_, d)| d)
+}

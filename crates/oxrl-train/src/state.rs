@@ -1,0 +1,128 @@
+//! Training checkpoints: a Hugging Face model directory (`checkpoint-<step>/`) that transformers
+//! loads unchanged, plus `optimizer.safetensors` (f32 master weights and AdamW moments) and
+//! `trainer_state.json` (step, data cursor, seed), all written before the directory appears
+//! under its final name, so `--resume` never picks up half a checkpoint.
+
+use crate::data::DataCursor;
+use crate::optim::{AdamW, ParamState};
+use crate::update::{PolicyTrainer, Result, TrainError};
+use candle_core::{Device, Tensor};
+use oxrl_models::checkpoint::{write_synced, MAX_SHARD_BYTES};
+use oxrl_models::ModelError;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub const TRAINER_STATE: &str = "trainer_state.json";
+pub const OPTIMIZER_STATE: &str = "optimizer.safetensors";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Training steps completed.
+    pub step: u64,
+    pub optimizer_step: u64,
+    pub data: DataCursor,
+    pub seed: u64,
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Writes `out_dir/checkpoint-<step>/`; returns its path.
+pub fn save(
+    out_dir: &Path,
+    trainer: &PolicyTrainer,
+    state: &TrainerState,
+    copy_from: Option<&Path>,
+) -> Result<PathBuf> {
+    let dir = out_dir.join(format!("checkpoint-{}", state.step));
+    let extra = |tmp: &Path| -> oxrl_models::Result<()> {
+        let mut tensors = HashMap::new();
+        for ((name, _), p) in trainer.vars().iter().zip(&trainer.optimizer.params) {
+            for (suffix, data) in [
+                ("master", &p.master),
+                ("exp_avg", &p.exp_avg),
+                ("exp_avg_sq", &p.exp_avg_sq),
+            ] {
+                let t = Tensor::from_slice(data, data.len(), &Device::Cpu)?;
+                tensors.insert(format!("{name}.{suffix}"), t);
+            }
+        }
+        let path = tmp.join(OPTIMIZER_STATE);
+        candle_core::safetensors::save(&tensors, &path).map_err(|source| {
+            ModelError::Safetensors {
+                path: path.clone(),
+                source,
+            }
+        })?;
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(io(&path))?;
+        let json = serde_json::to_string_pretty(state).unwrap_or_default();
+        write_synced(&tmp.join(TRAINER_STATE), json.as_bytes())
+    };
+    trainer
+        .policy
+        .save_with(&dir, copy_from, MAX_SHARD_BYTES, &extra)?;
+    Ok(dir)
+}
+
+/// The newest complete checkpoint in `out_dir`, by step.
+pub fn latest(out_dir: &Path) -> Option<(u64, PathBuf)> {
+    std::fs::read_dir(out_dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let step: u64 = name.strip_prefix("checkpoint-")?.parse().ok()?;
+            e.path()
+                .join(TRAINER_STATE)
+                .exists()
+                .then(|| (step, e.path()))
+        })
+        .max_by_key(|(s, _)| *s)
+}
+
+/// Reads a checkpoint's trainer state.
+pub fn load_state(dir: &Path) -> Result<TrainerState> {
+    let path = dir.join(TRAINER_STATE);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text).map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))
+}
+
+/// Restores the optimizer's master weights and moments from a checkpoint.
+pub fn load_optimizer(dir: &Path, trainer: &mut PolicyTrainer, optimizer_step: u64) -> Result<()> {
+    let path = dir.join(OPTIMIZER_STATE);
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|source| {
+        ModelError::Safetensors {
+            path: path.clone(),
+            source,
+        }
+    })?;
+    let mut params = Vec::new();
+    for (name, _) in trainer.vars() {
+        let mut take = |suffix: &str| -> Result<Vec<f32>> {
+            let key = format!("{name}.{suffix}");
+            let t = tensors.remove(&key).ok_or_else(|| {
+                TrainError::Invalid(format!("{}: missing `{key}`", path.display()))
+            })?;
+            Ok(t.to_vec1::<f32>()?)
+        };
+        params.push(ParamState {
+            master: take("master")?,
+            exp_avg: take("exp_avg")?,
+            exp_avg_sq: take("exp_avg_sq")?,
+        });
+    }
+    trainer.optimizer = AdamW {
+        config: trainer.optimizer.config,
+        step: optimizer_step,
+        params,
+    };
+    Ok(())
+}

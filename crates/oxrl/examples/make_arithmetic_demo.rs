@@ -1,0 +1,161 @@
+//! Regenerates `examples/arithmetic/`: the demo `oxrl train` runs with no config.
+//!
+//! - a byte-level tokenizer (256 byte tokens + ChatML specials) with a ChatML chat template;
+//! - `data/prompts.jsonl`: every single-digit sum `a+b=` with its answer (GRPO prompts);
+//! - `data/sft.jsonl`: conversations answering those sums with noisy labels (right 40% of the
+//!   time, off by ±1 or ±2 otherwise), so the warmed-up policy samples the right answer about
+//!   40% of the time and GRPO has something to sharpen;
+//! - `policy/`: a tiny Qwen3 (hidden 64, 2 layers, ~100k parameters) initialised at random and
+//!   trained by `oxrl sft` on that data.
+//!
+//! Run from anywhere: `cargo run --release -p oxrl --example make_arithmetic_demo`.
+
+use candle_core::{DType, Device};
+use oxrl_models::Qwen3;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+const CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// GPT-2's byte → printable-character map used by byte-level BPE.
+fn byte_chars() -> Vec<char> {
+    let mut printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
+    let mut chars: Vec<u32> = printable.clone();
+    let mut extra = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            printable.push(b);
+            chars.push(256 + extra);
+            extra += 1;
+        }
+    }
+    let mut map = vec!['\0'; 256];
+    for (b, c) in printable.iter().zip(chars) {
+        map[*b as usize] = char::from_u32(c).expect("valid char");
+    }
+    map
+}
+
+fn tokenizer_json() -> Value {
+    let vocab: serde_json::Map<String, Value> = byte_chars()
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), json!(i)))
+        .collect();
+    let added: Vec<Value> = SPECIALS
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            json!({"id": 256 + i, "content": s, "single_word": false, "lstrip": false,
+                             "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": []}
+    })
+}
+
+fn write(path: &Path, text: &str) {
+    std::fs::create_dir_all(path.parent().expect("a parent")).expect("create dir");
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
+
+fn main() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/arithmetic");
+    let init = std::env::temp_dir().join("oxrl-arithmetic-init");
+    let _ = std::fs::remove_dir_all(&init);
+
+    // The initial random policy with its tokenizer.
+    let config = json!({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": 272, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": true, "dtype": "float32", "initializer_range": 0.02,
+        "bos_token_id": null, "eos_token_id": 258, "pad_token_id": 256,
+    });
+    let model = Qwen3::random(config, 0, DType::F32, &Device::Cpu).expect("random init");
+    let side = std::env::temp_dir().join("oxrl-arithmetic-tokenizer");
+    write(&side.join("tokenizer.json"), &tokenizer_json().to_string());
+    write(
+        &side.join("tokenizer_config.json"),
+        &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": null,
+                "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"})
+        .to_string(),
+    );
+    write(
+        &side.join("generation_config.json"),
+        &json!({"eos_token_id": 258, "pad_token_id": 256}).to_string(),
+    );
+    model
+        .save(&init, Some(&side))
+        .expect("save the initial policy");
+
+    // Data.
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let mut prompts = String::new();
+    let mut sft = String::new();
+    for a in 0..10 {
+        for b in 0..10 {
+            let sum = a + b;
+            prompts.push_str(&format!(
+                "{}\n",
+                json!({"prompt": format!("{a}+{b}="), "answer": sum.to_string()})
+            ));
+            for _ in 0..10 {
+                let u: f64 = rng.random();
+                let delta: i32 = match u {
+                    u if u < 0.4 => 0,
+                    u if u < 0.6 => 1,
+                    u if u < 0.8 => -1,
+                    u if u < 0.9 => 2,
+                    _ => -2,
+                };
+                let said = (sum + delta).max(0);
+                let conv = json!({"messages": [
+                    {"role": "user", "content": format!("{a}+{b}=")},
+                    {"role": "assistant", "content": said.to_string()},
+                ]});
+                sft.push_str(&format!("{conv}\n"));
+            }
+        }
+    }
+    write(&root.join("data/prompts.jsonl"), &prompts);
+    write(&root.join("data/sft.jsonl"), &sft);
+
+    // Warm up with SFT into policy/.
+    let sft_config = root.join("sft.toml");
+    let text = std::fs::read_to_string(&sft_config).expect("examples/arithmetic/sft.toml");
+    let text = text.replace("__INIT__", &init.display().to_string());
+    let tmp_config = root.join(".sft.resolved.toml");
+    write(&tmp_config, &text);
+    let mut cfg = oxrl_train::RunConfig::from_file(&tmp_config).expect("valid sft.toml");
+    let out = std::env::temp_dir().join("oxrl-arithmetic-sft");
+    let _ = std::fs::remove_dir_all(&out);
+    cfg.output_dir = out.clone();
+    let last = oxrl_train::sft::run(&cfg, false).expect("sft");
+    let _ = std::fs::remove_file(&tmp_config);
+    let policy = root.join("policy");
+    let _ = std::fs::remove_dir_all(&policy);
+    std::fs::create_dir_all(&policy).expect("policy dir");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(last.join(f), policy.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+    }
+    println!("wrote {}", root.display());
+}
