@@ -13,5 +13,5 @@ pub mod tokenizer;
 pub use config::Qwen3Config;
 pub use error::{ModelError, Result};
 pub use kv_cache::{KvCache, VocabSlices};
-pub use qwen3::{Qwen3, ResponseLogprobs, ScoreRequest};
+pub use qwen3::{BatchLogprobs, Entropy, Qwen3, ScoreRequest};
 pub use tokenizer::{eos_token_ids, Tokenizer};

@@ -115,14 +115,33 @@ pub struct ScoreRequest {
     pub temperature: f64,
 }
 
-/// Log-probs of one response's tokens, `[n]` f32, and optionally their entropies.
-pub struct ResponseLogprobs {
+/// Response log-probs of a batch: `[R]` f32 over every response token, request after request.
+pub struct BatchLogprobs {
     pub logprobs: Tensor,
+    /// Per-token entropy `[R]`, when asked for.
     pub entropy: Option<Tensor>,
+    /// Response length of each request.
+    pub lens: Vec<usize>,
+}
+
+/// Per request: response log-probs, and entropies (empty when not asked for).
+pub type LogprobsAndEntropy = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// Which per-token entropies [`Qwen3::response_logprobs`] computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entropy {
+    None,
+    /// Values only (a metric): one extra fused pass, no gradient.
+    Value,
+    /// With a gradient (an entropy bonus in the loss): the slower differentiable path.
+    Differentiable,
 }
 
 /// Padded tokens (batch × longest sequence) per training-path forward while scoring.
 const SCORE_BATCH_TOKENS: usize = 8192;
+
+/// Logit elements materialised at once while scoring without gradient (512 MB in f32).
+const SCORE_LOGIT_ELEMENTS: usize = 1 << 27;
 
 impl Qwen3 {
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
@@ -361,6 +380,23 @@ impl Qwen3 {
     /// Per-token log-probabilities of each request's response, in request order. Requests are
     /// batched (right-padded) through the training path, so these are the numbers training sees.
     pub fn score_batch(&self, requests: &[ScoreRequest]) -> Result<Vec<Vec<f32>>> {
+        Ok(self.score_batch_inner(requests, false)?.0)
+    }
+
+    /// [`Qwen3::score_batch`] plus the entropy of the temperature-scaled distribution at every
+    /// response position, from the same pass over the vocabulary.
+    pub fn score_batch_with_entropy(
+        &self,
+        requests: &[ScoreRequest],
+    ) -> Result<LogprobsAndEntropy> {
+        self.score_batch_inner(requests, true)
+    }
+
+    fn score_batch_inner(
+        &self,
+        requests: &[ScoreRequest],
+        with_entropy: bool,
+    ) -> Result<LogprobsAndEntropy> {
         for (i, r) in requests.iter().enumerate() {
             if r.prompt_ids.is_empty() || r.response_ids.is_empty() {
                 return Err(ModelError::InvalidInput(format!(
@@ -381,7 +417,7 @@ impl Qwen3 {
                 .collect();
             self.validate_ids(&ids, &format!("request {i}"))?;
         }
-        let mut out = Vec::with_capacity(requests.len());
+        let (mut out, mut entropies) = (Vec::with_capacity(requests.len()), Vec::new());
         let mut start = 0;
         while start < requests.len() {
             let len = |r: &ScoreRequest| r.prompt_ids.len() + r.response_ids.len();
@@ -395,41 +431,56 @@ impl Qwen3 {
                 longest = l;
                 end += 1;
             }
-            out.extend(self.score_padded(&requests[start..end], longest)?);
+            let (lp, h) = self.score_padded(&requests[start..end], longest, with_entropy)?;
+            out.extend(lp);
+            entropies.extend(h);
             start = end;
         }
-        Ok(out)
+        Ok((out, entropies))
     }
 
-    fn score_padded(&self, batch: &[ScoreRequest], longest: usize) -> Result<Vec<Vec<f32>>> {
-        self.response_logprobs_padded(batch, longest, false)?
-            .into_iter()
-            .map(|r| Ok(r.logprobs.to_vec1::<f32>()?))
-            .collect()
-    }
-
-    /// Response log-probs of each request as differentiable `[n_i]` tensors (the training path:
-    /// gradients reach every weight), with per-token entropies of the temperature-scaled
-    /// distribution when `with_entropy`. One right-padded forward over the whole batch.
-    pub fn response_logprobs(
-        &self,
-        batch: &[ScoreRequest],
-        with_entropy: bool,
-    ) -> Result<Vec<ResponseLogprobs>> {
-        let longest = batch
-            .iter()
-            .map(|r| r.prompt_ids.len() + r.response_ids.len())
-            .max()
-            .unwrap_or(0);
-        self.response_logprobs_padded(batch, longest, with_entropy)
-    }
-
-    fn response_logprobs_padded(
+    /// Log-probs (and entropies, when asked, else none) of one padded batch.
+    fn score_padded(
         &self,
         batch: &[ScoreRequest],
         longest: usize,
         with_entropy: bool,
-    ) -> Result<Vec<ResponseLogprobs>> {
+    ) -> Result<LogprobsAndEntropy> {
+        let (rows, targets, temps) = self.response_hidden(batch, longest)?;
+        let chunk = (SCORE_LOGIT_ELEMENTS / self.config.vocab_size).max(1);
+        let (mut flat, mut flat_h) = (Vec::with_capacity(targets.len()), Vec::new());
+        let mut start = 0;
+        while start < targets.len() {
+            let n = chunk.min(targets.len() - start);
+            let logits =
+                self.scaled_logits(&rows.narrow(0, start, n)?, &temps[start..start + n])?;
+            let (lp, h) =
+                oxrl_nn::logprob_entropy(&logits, &targets[start..start + n], with_entropy)?;
+            flat.extend(lp);
+            flat_h.extend(h);
+            start += n;
+        }
+        let (mut out, mut entropies) = (Vec::with_capacity(batch.len()), Vec::new());
+        let mut at = 0;
+        for r in batch {
+            let n = r.response_ids.len();
+            out.push(flat[at..at + n].to_vec());
+            if with_entropy {
+                entropies.push(flat_h[at..at + n].to_vec());
+            }
+            at += n;
+        }
+        Ok((out, entropies))
+    }
+
+    /// Final hidden states of every response position of the batch, gathered into `[R, D]`
+    /// (R = all response tokens, request after request), with the target ids and each row's
+    /// temperature. One right-padded forward over the batch.
+    fn response_hidden(
+        &self,
+        batch: &[ScoreRequest],
+        longest: usize,
+    ) -> Result<(Tensor, Vec<u32>, Vec<f32>)> {
         let mut ids = Vec::with_capacity(batch.len() * longest);
         for r in batch {
             if r.prompt_ids.is_empty() || r.response_ids.is_empty() {
@@ -446,22 +497,66 @@ impl Qwen3 {
         }
         let input = Tensor::from_vec(ids, (batch.len(), longest), &self.device)?;
         let hidden = self.forward_hidden(&input)?;
-        let mut out = Vec::with_capacity(batch.len());
+        let mut rows = Vec::with_capacity(batch.len());
+        let (mut targets, mut temps) = (Vec::new(), Vec::new());
         for (b, r) in batch.iter().enumerate() {
-            let rows = hidden
-                .get(b)?
-                .narrow(0, r.prompt_ids.len() - 1, r.response_ids.len())?;
-            let logits = (linear(&rows, &self.lm_head)?.to_dtype(DType::F32)? / r.temperature)?;
-            let logp_all = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-            let targets = Tensor::new(r.response_ids.as_slice(), &self.device)?.unsqueeze(1)?;
-            let logprobs = logp_all.gather(&targets, 1)?.squeeze(1)?;
-            let entropy = match with_entropy {
-                true => Some((logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?),
-                false => None,
-            };
-            out.push(ResponseLogprobs { logprobs, entropy });
+            rows.push(
+                hidden
+                    .get(b)?
+                    .narrow(0, r.prompt_ids.len() - 1, r.response_ids.len())?,
+            );
+            targets.extend(&r.response_ids);
+            temps.extend(std::iter::repeat_n(
+                r.temperature as f32,
+                r.response_ids.len(),
+            ));
         }
-        Ok(out)
+        Ok((Tensor::cat(&rows, 0)?, targets, temps))
+    }
+
+    /// `lm_head(rows) / T` per row, in f32.
+    fn scaled_logits(&self, rows: &Tensor, temps: &[f32]) -> candle_core::Result<Tensor> {
+        let logits = linear(rows, &self.lm_head)?.to_dtype(DType::F32)?;
+        if temps.iter().all(|&t| t == 1.0) {
+            return Ok(logits);
+        }
+        let t = Tensor::from_slice(temps, (temps.len(), 1), &self.device)?;
+        logits.broadcast_div(&t)
+    }
+
+    /// Response log-probs of the whole batch as one differentiable `[R]` tensor (the training
+    /// path: gradients reach every weight), requests one after another, through the fused
+    /// vocabulary kernel; plus per-token entropies of the temperature-scaled distribution as
+    /// `entropy` asks.
+    pub fn response_logprobs(
+        &self,
+        batch: &[ScoreRequest],
+        entropy: Entropy,
+    ) -> Result<BatchLogprobs> {
+        let longest = batch
+            .iter()
+            .map(|r| r.prompt_ids.len() + r.response_ids.len())
+            .max()
+            .unwrap_or(0);
+        let (rows, targets, temps) = self.response_hidden(batch, longest)?;
+        let logits = self.scaled_logits(&rows, &temps)?;
+        let logprobs = oxrl_nn::target_logprobs(&logits, &targets)?;
+        let entropy = match entropy {
+            Entropy::None => None,
+            Entropy::Value => {
+                let h = oxrl_nn::logprob_entropy(&logits.detach(), &targets, true)?.1;
+                Some(Tensor::from_vec(h, targets.len(), &self.device)?)
+            }
+            Entropy::Differentiable => {
+                let logp_all = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+                Some((logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?)
+            }
+        };
+        Ok(BatchLogprobs {
+            logprobs,
+            entropy,
+            lens: batch.iter().map(|r| r.response_ids.len()).collect(),
+        })
     }
 }
 

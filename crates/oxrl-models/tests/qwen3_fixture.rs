@@ -219,25 +219,31 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
         assert_eq!(vars.len(), 3 * 11 + 2 + usize::from(!tied));
         // The trainer's path: response log-probs and entropies of a right-padded batch.
         let (reqs, _) = requests();
-        let out = model.response_logprobs(&reqs[..2], true).unwrap();
-        let mut loss = Tensor::new(0f32, &Device::Cpu).unwrap();
-        for r in &out {
-            let term = (r.logprobs.sum_all().unwrap()
-                + r.entropy.as_ref().unwrap().sum_all().unwrap())
-            .unwrap();
-            loss = (loss - term).unwrap();
-        }
-        let grads = loss.backward().unwrap();
-        for (name, var) in &vars {
-            let g = grads
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("{name}: no gradient"));
-            let v = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            assert!(
-                v.iter().all(|x| x.is_finite()),
-                "{name}: non-finite gradient"
-            );
-            assert!(v.iter().any(|x| *x != 0.0), "{name}: all-zero gradient");
+        // Through the fused log-prob kernel alone, and with a differentiable entropy term.
+        for entropy in [
+            oxrl_models::Entropy::None,
+            oxrl_models::Entropy::Differentiable,
+        ] {
+            let out = model.response_logprobs(&reqs[..2], entropy).unwrap();
+            let mut loss = out.logprobs.sum_all().unwrap();
+            if let Some(h) = out.entropy {
+                loss = (loss + h.sum_all().unwrap()).unwrap();
+            }
+            let grads = loss.neg().unwrap().backward().unwrap();
+            for (name, var) in &vars {
+                let g = grads
+                    .get(var.as_tensor())
+                    .unwrap_or_else(|| panic!("{name}: no gradient"));
+                let v = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(
+                    v.iter().all(|x| x.is_finite()),
+                    "{name}: non-finite gradient"
+                );
+                assert!(
+                    v.iter().any(|x| *x != 0.0),
+                    "{name}: all-zero gradient ({entropy:?})"
+                );
+            }
         }
     }
 }

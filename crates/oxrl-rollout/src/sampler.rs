@@ -3,6 +3,7 @@
 //! then min-p — the order transformers applies them. The returned log-probability is always that of
 //! the full temperature-scaled distribution, before truncation: what the trainer recomputes.
 
+use oxrl_nn::exp::{exp_shifted, max_of, sum_of};
 use rand::Rng;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -42,94 +43,6 @@ pub struct SamplerScratch {
     weights: Vec<f32>,
     /// Sums of `weights` per [`BLOCK`].
     blocks: Vec<f64>,
-}
-
-/// `exp(x)` for `x ≤ 0` (0 below -87, so `-inf` logits weigh nothing), within 2e-7 relative
-/// error: Cephes' `expf` range reduction and polynomial, written branch-free over plain f32 ops so
-/// the compiler vectorizes the loops that call it. The vocabulary-wide softmax of every sampled
-/// token runs through here, which libm's scalar `expf` made the engine's largest cost after lm_head.
-#[inline(always)]
-fn exp_nonpos(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const C1: f32 = 0.693_359_4;
-    const C2: f32 = -2.121_944_4e-4;
-    const P: [f32; 6] = [
-        1.987_569_1e-4,
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ];
-    // Adding 1.5·2²³ rounds to the nearest integer n and leaves n in the low mantissa bits,
-    // so 2ⁿ is built with integer ops only (a float-to-int cast would not vectorize).
-    const ROUND: f32 = 12_582_912.0;
-    let xc = if x < -87.0 { -87.0 } else { x };
-    let shifted = xc * LOG2E + ROUND;
-    let n = shifted - ROUND;
-    let r = xc - n * C1 - n * C2;
-    let poly = ((((P[0] * r + P[1]) * r + P[2]) * r + P[3]) * r + P[4]) * r + P[5];
-    let y = poly * r * r + r + 1.0;
-    let n_int = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
-    let scale = f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
-    if x < -87.0 {
-        0.0
-    } else {
-        y * scale
-    }
-}
-
-/// `dst[i] = exp((src[i] - max) * scale)`.
-#[inline(always)]
-fn exp_shifted_into(dst: &mut [f32], src: &[f32], max: f32, scale: f32) {
-    for (w, &x) in dst.iter_mut().zip(src) {
-        *w = exp_nonpos((x - max) * scale);
-    }
-}
-
-/// [`exp_shifted_into`] compiled for AVX2 + FMA, twice the lanes of the x86-64 baseline.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn exp_shifted_into_avx2(dst: &mut [f32], src: &[f32], max: f32, scale: f32) {
-    exp_shifted_into(dst, src, max, scale)
-}
-
-fn exp_shifted(dst: &mut [f32], src: &[f32], max: f32, scale: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has the features the function is compiled for.
-        return unsafe { exp_shifted_into_avx2(dst, src, max, scale) };
-    }
-    exp_shifted_into(dst, src, max, scale)
-}
-
-/// Largest value, over eight lanes so it vectorizes.
-fn max_of(xs: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; 8];
-    let chunks = xs.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a = if x > *a { x } else { *a };
-        }
-    }
-    acc.iter()
-        .chain(rest)
-        .copied()
-        .fold(f32::NEG_INFINITY, f32::max)
-}
-
-/// Sum over eight f32 lanes (vectorized); callers keep blocks short and add them in f64.
-fn sum_of(xs: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = xs.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += x;
-        }
-    }
-    acc.iter().chain(rest).sum()
 }
 
 /// The logit of vocabulary entry `i` of a row stored as consecutive pieces.
@@ -331,23 +244,6 @@ mod tests {
         );
         assert_eq!(t, 1, "top_k = 1 keeps only the heaviest token");
         assert!((lp - (2.0f32 / 3.0).ln()).abs() < 1e-6, "{lp}");
-    }
-
-    #[test]
-    fn fast_exp_is_within_2e_7_relative() {
-        let mut x = -87.0f32;
-        while x <= 0.0 {
-            let want = (x as f64).exp();
-            let got = exp_nonpos(x) as f64;
-            assert!(
-                ((got - want) / want).abs() < 2e-7,
-                "exp({x}) = {got}, want {want}"
-            );
-            x += 0.0137;
-        }
-        assert_eq!(exp_nonpos(0.0), 1.0);
-        assert_eq!(exp_nonpos(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_nonpos(-100.0), 0.0);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use oxrl_algo::{
     compute_advantages, kl_per_token, policy_loss, token_weights, AdvantageConfig, BatchTotals,
     KlEstimator, LossAgg, PolicyLossConfig,
 };
-use oxrl_models::{Qwen3, ScoreRequest};
+use oxrl_models::{Entropy, Qwen3, ScoreRequest};
 use std::collections::BTreeMap;
 
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +107,14 @@ pub struct PolicyTrainer {
     pub update: UpdateConfig,
 }
 
+/// Per-trajectory numbers computed before the update, without gradient.
+struct ScoredBefore<'a> {
+    old: &'a [Vec<f32>],
+    reference: Option<&'a [Vec<f32>]>,
+    /// Entropies of the pre-update policy (from the recompute pass), if it ran.
+    entropy: Option<&'a [Vec<f32>]>,
+}
+
 /// What one optimizer step did.
 struct Applied {
     /// Global gradient norm before clipping.
@@ -193,9 +201,12 @@ impl PolicyTrainer {
         self.vars.iter().map(|(n, _)| n.as_str()).collect()
     }
 
-    /// Log-probs of every trajectory's response under `model`, without gradients.
+    /// Log-probs of every trajectory's response under `model`, without gradients (through a
+    /// detached view, so no autograd graph is recorded for the trainable policy).
     fn score(&self, model: &Qwen3, trajs: &[&Trajectory]) -> Result<Vec<Vec<f32>>> {
-        Ok(model.score_batch(&requests(trajs, self.update.temperature))?)
+        Ok(model
+            .detached()
+            .score_batch(&requests(trajs, self.update.temperature))?)
     }
 
     /// One training step's update on `trajs` (one batch).
@@ -211,6 +222,8 @@ impl PolicyTrainer {
             ..Default::default()
         };
         let started = std::time::Instant::now();
+        // The pre-update policy's entropies, when the recompute pass already produced them.
+        let mut entropy_before: Option<Vec<Vec<f32>>> = None;
         let old = match algo.old_logprobs {
             OldLogprobs::Rollout => {
                 if let Some(i) = trajs.iter().position(|t| t.rollout_logprobs.is_empty()) {
@@ -221,7 +234,11 @@ impl PolicyTrainer {
                 trajs.iter().map(|t| t.rollout_logprobs.clone()).collect()
             }
             OldLogprobs::Recompute => {
-                let old = self.score(&self.policy, &all)?;
+                let (old, h) = self
+                    .policy
+                    .detached()
+                    .score_batch_with_entropy(&requests(&all, self.update.temperature))?;
+                entropy_before = Some(h);
                 let pairs: Vec<(f32, f32)> = trajs
                     .iter()
                     .zip(&old)
@@ -259,15 +276,12 @@ impl PolicyTrainer {
         for _epoch in 0..self.update.ppo_epochs.max(1) {
             let order: Vec<usize> = (0..trajs.len()).collect();
             for batch in order.chunks(mini) {
-                self.optimizer_step(
-                    trajs,
-                    batch,
-                    &advantages,
-                    &old,
-                    reference.as_deref(),
-                    &mut sums,
-                    &mut report,
-                )?;
+                let known = ScoredBefore {
+                    old: &old,
+                    reference: reference.as_deref(),
+                    entropy: entropy_before.as_deref(),
+                };
+                self.optimizer_step(trajs, batch, &advantages, &known, &mut sums, &mut report)?;
             }
         }
         report
@@ -314,17 +328,16 @@ impl PolicyTrainer {
 
     /// The loss over one mini-batch (`batch` indexes `trajs`), micro-batch by micro-batch, then
     /// one optimizer step.
-    #[allow(clippy::too_many_arguments)]
     fn optimizer_step(
         &mut self,
         trajs: &[Trajectory],
         batch: &[usize],
         advantages: &[f64],
-        old: &[Vec<f32>],
-        reference: Option<&[Vec<f32>]>,
+        known: &ScoredBefore,
         sums: &mut Sums,
         report: &mut UpdateReport,
     ) -> Result<()> {
+        let (old, reference) = (known.old, known.reference);
         let algo = &self.algorithm;
         let dev = self.policy.device.clone();
         let totals = BatchTotals {
@@ -336,19 +349,20 @@ impl PolicyTrainer {
         for micro in batch.chunks(self.update.micro_batch_size.max(1)) {
             let mtrajs: Vec<&Trajectory> = micro.iter().map(|&i| &trajs[i]).collect();
             let lens: Vec<usize> = mtrajs.iter().map(|t| t.response_ids.len()).collect();
+            let entropy_mode = match (algo.entropy_coef != 0.0, known.entropy) {
+                (true, _) => Entropy::Differentiable,
+                (false, Some(_)) => Entropy::None,
+                (false, None) => Entropy::Value,
+            };
             let out = self
                 .policy
-                .response_logprobs(&requests(&mtrajs, self.update.temperature), true)?;
-            let logp = Tensor::cat(
-                &out.iter().map(|o| o.logprobs.clone()).collect::<Vec<_>>(),
-                0,
-            )?;
-            let entropy = Tensor::cat(
-                &out.iter()
-                    .filter_map(|o| o.entropy.clone())
-                    .collect::<Vec<_>>(),
-                0,
-            )?;
+                .response_logprobs(&requests(&mtrajs, self.update.temperature), entropy_mode)?;
+            let logp = out.logprobs;
+            let entropy = match (out.entropy, known.entropy) {
+                (Some(h), _) => h,
+                (None, Some(before)) => flat(before, micro, &dev)?,
+                (None, None) => return Err(TrainError::Invalid("entropy was not computed".into())),
+            };
             let adv: Vec<f32> = micro
                 .iter()
                 .flat_map(|&i| {
@@ -484,11 +498,10 @@ impl PolicyTrainer {
         let mut acc: Vec<Option<Tensor>> = vec![None; self.vars.len()];
         let mut nll = 0.0;
         for micro in batch.chunks(self.update.micro_batch_size.max(1)) {
-            let out = self.policy.response_logprobs(micro, false)?;
-            let logp = Tensor::cat(
-                &out.iter().map(|o| o.logprobs.clone()).collect::<Vec<_>>(),
-                0,
-            )?;
+            let logp = self
+                .policy
+                .response_logprobs(micro, Entropy::None)?
+                .logprobs;
             let loss = (logp.sum_all()? * (-1.0 / tokens as f64))?;
             nll += loss.to_scalar::<f32>()? as f64;
             self.accumulate(&mut acc, &loss)?;

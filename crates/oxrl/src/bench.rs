@@ -12,6 +12,9 @@ use serde_json::json;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// TRL 1.16's GRPO step on W1 on these machines: 61–72 s (shared/bench/README.md); the midpoint.
+const TRL_SECONDS_PER_STEP: f64 = 66.5;
+
 /// transformers 5.23 `generate` on W1 on these machines (shared/bench/README.md).
 const TRANSFORMERS_TOKENS_PER_S: f64 = 85.0;
 
@@ -19,6 +22,26 @@ const TRANSFORMERS_TOKENS_PER_S: f64 = 85.0;
 pub enum BenchCommand {
     /// Tokens per second of the generation engine: prompts × samples × exactly `new_tokens`.
     Generate(GenerateBench),
+    /// Seconds per GRPO step (rollout, old and reference log-probs, update) on W1.
+    GrpoStep(GrpoStepBench),
+}
+
+#[derive(clap::Args)]
+pub struct GrpoStepBench {
+    #[arg(long, default_value_t = 8)]
+    prompts: usize,
+    #[arg(long, default_value_t = 8)]
+    n: usize,
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+    /// Trajectories per forward/backward in the update.
+    #[arg(long, default_value_t = 8)]
+    micro_batch_size: usize,
+    /// Steps to time (the first is a warm-up and not counted when there are more).
+    #[arg(long, default_value_t = 2)]
+    steps: usize,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -50,6 +73,7 @@ pub fn w1_model(seed: u64) -> Result<Qwen3> {
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Generate(b) => generate(b),
+        BenchCommand::GrpoStep(b) => grpo_step(b),
     }
 }
 
@@ -102,6 +126,192 @@ fn generate(b: GenerateBench) -> Result<()> {
              ({ratio:.1}× transformers' {TRANSFORMERS_TOKENS_PER_S} tokens/s)",
             b.prompts * b.n,
             b.new_tokens
+        );
+    }
+    Ok(())
+}
+
+/// Achieved f32 GFLOP/s of one large square matmul, the peak the step is compared with.
+fn matmul_peak_gflops() -> Result<f64> {
+    let n = 1024;
+    let a = candle_core::Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+    let _ = a.matmul(&a)?;
+    let start = Instant::now();
+    let reps = 8;
+    for _ in 0..reps {
+        let _ = a.matmul(&a)?;
+    }
+    Ok(2.0 * (n as f64).powi(3) * reps as f64 / start.elapsed().as_secs_f64() / 1e9)
+}
+
+/// Matrix FLOPs of one GRPO step on `model`: every generated token's decode forward, the prefill,
+/// the old and reference forwards over prompt + response, and the update's forward + backward
+/// (2× the forward). A forward costs 2·(layer weights) per token plus 2·vocab·hidden per scored
+/// token (lm_head runs on response positions only when scoring).
+fn grpo_step_flops(
+    model: &Qwen3,
+    prompt_tokens: usize,
+    responses: usize,
+    new_tokens: usize,
+    prompt_len: usize,
+) -> f64 {
+    let c = &model.config;
+    let (d, i, l) = (
+        c.hidden_size as f64,
+        c.intermediate_size as f64,
+        c.num_hidden_layers as f64,
+    );
+    let (h, kv, hd) = (
+        c.num_attention_heads as f64,
+        c.num_key_value_heads as f64,
+        c.head_dim as f64,
+    );
+    let layer = l * (d * h * hd * 2.0 + d * kv * hd * 2.0 + 3.0 * d * i);
+    let head = c.vocab_size as f64 * d;
+    let decoded = (responses * new_tokens) as f64;
+    let rollout = 2.0 * (layer * (prompt_tokens as f64 + decoded) + head * decoded);
+    let sequence_tokens = (responses * (prompt_len + new_tokens)) as f64;
+    let forward = 2.0 * (layer * sequence_tokens + head * decoded);
+    rollout + forward * 2.0 + forward * 3.0
+}
+
+fn grpo_step(b: GrpoStepBench) -> Result<()> {
+    use oxrl_algo::{AdvantageConfig, KlEstimator, LossAgg, PolicyLossConfig};
+    use oxrl_train::{
+        AdamWConfig, AlgorithmConfig, LrSchedule, OldLogprobs, PolicyTrainer, Trajectory,
+        UpdateConfig,
+    };
+    let peak = matmul_peak_gflops()?;
+    let policy = w1_model(0)?;
+    let reference = w1_model(1)?;
+    let algorithm = AlgorithmConfig {
+        advantage: AdvantageConfig::default(),
+        policy_loss: PolicyLossConfig::default(),
+        kl_coef: 0.04,
+        kl_estimator: KlEstimator::K3,
+        loss_agg: LossAgg::TokenMean,
+        kl_loss_agg: LossAgg::TokenMean,
+        loss_scale_factor: b.new_tokens as f64,
+        old_logprobs: OldLogprobs::Recompute,
+        entropy_coef: 0.0,
+    };
+    let update = UpdateConfig {
+        temperature: 1.0,
+        mini_batch_size: None,
+        micro_batch_size: b.micro_batch_size,
+        ppo_epochs: 1,
+        max_grad_norm: 1.0,
+        optimizer: AdamWConfig {
+            lr: 1e-6,
+            ..Default::default()
+        },
+        lr_schedule: LrSchedule::Constant,
+        warmup_steps: 0,
+        total_steps: b.steps as u64,
+    };
+    let mut trainer = PolicyTrainer::new(policy, Some(reference), algorithm, update)?;
+    let mut engine = LocalEngine::new(Arc::new(trainer.policy.detached()), None, Vec::new());
+    let vocab = trainer.policy.config.vocab_size as u32;
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let prompts: Vec<Vec<u32>> = (0..b.prompts)
+        .map(|p| {
+            (0..18 + p % 5)
+                .map(|_| rng.random_range(0..vocab))
+                .collect()
+        })
+        .collect();
+    let params = SamplingParams {
+        n: b.n,
+        max_new_tokens: b.new_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut timed: Vec<std::collections::BTreeMap<String, f64>> = Vec::new();
+    for step in 0..b.steps {
+        let start = Instant::now();
+        let out = engine.generate(
+            &prompts,
+            &SamplingParams {
+                seed: step as u64,
+                ..params.clone()
+            },
+        )?;
+        let rollout = start.elapsed().as_secs_f64();
+        let mut trajs = Vec::new();
+        for (p, (prompt, samples)) in prompts.iter().zip(&out).enumerate() {
+            for c in samples {
+                trajs.push(Trajectory {
+                    uid: p.to_string(),
+                    prompt_ids: prompt.clone(),
+                    response_ids: c.response_ids.clone(),
+                    reward: rng.random_range(0..2) as f64,
+                    rollout_logprobs: c.logprobs.clone(),
+                    finish_reason: None,
+                });
+            }
+        }
+        let mut m = trainer.step(&trajs)?.metrics;
+        m.insert("time/rollout".into(), rollout);
+        m.insert("time/step".into(), start.elapsed().as_secs_f64());
+        eprintln!("step {}: {:.2} s", step + 1, m["time/step"]);
+        timed.push(m);
+    }
+    let counted = if timed.len() > 1 {
+        &timed[1..]
+    } else {
+        &timed[..]
+    };
+    let avg = |k: &str| {
+        counted
+            .iter()
+            .map(|m| m.get(k).copied().unwrap_or(0.0))
+            .sum::<f64>()
+            / counted.len() as f64
+    };
+    let secs = avg("time/step");
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let prompt_len = prompt_tokens / prompts.len();
+    let flops = grpo_step_flops(
+        &trainer.policy,
+        prompt_tokens,
+        b.prompts * b.n,
+        b.new_tokens,
+        prompt_len,
+    );
+    let achieved = flops / secs / 1e9;
+    let phases = [
+        "time/rollout",
+        "time/old_logprobs",
+        "time/ref",
+        "time/update",
+    ];
+    if b.json {
+        let mut obj = serde_json::Map::new();
+        obj.insert("bench".into(), "grpo-step".into());
+        obj.insert("seconds_per_step".into(), secs.into());
+        for p in phases {
+            obj.insert(p.into(), avg(p).into());
+        }
+        obj.insert("tflop_per_step".into(), (flops / 1e12).into());
+        obj.insert("achieved_gflops".into(), achieved.into());
+        obj.insert("matmul_peak_gflops".into(), peak.into());
+        obj.insert("trl_seconds_per_step".into(), TRL_SECONDS_PER_STEP.into());
+        obj.insert(
+            "speedup_vs_trl".into(),
+            (TRL_SECONDS_PER_STEP / secs).into(),
+        );
+        println!("{}", serde_json::Value::Object(obj));
+    } else {
+        println!(
+            "grpo-step W1: {secs:.2} s/step (rollout {:.2}, old logprobs {:.2}, ref {:.2}, update {:.2}); \
+             {:.2} TFLOP → {achieved:.0} GFLOP/s of a {peak:.0} GFLOP/s matmul peak; \
+             {:.1}× TRL's ~{TRL_SECONDS_PER_STEP} s",
+            avg("time/rollout"),
+            avg("time/old_logprobs"),
+            avg("time/ref"),
+            avg("time/update"),
+            flops / 1e12,
+            TRL_SECONDS_PER_STEP / secs
         );
     }
     Ok(())

@@ -1,0 +1,229 @@
+//! `log_softmax(logits)[target]` per row in one pass over the vocabulary, with a backward
+//! (`∂/∂z_j = g·(1[j = t] − softmax(z)_j)`, recomputed from the logits), and the entropy of each
+//! row without gradient. candle's generic `log_softmax` + `gather` makes six passes and keeps
+//! `[N, vocab]` intermediates for its backward; with a 151,936-token vocabulary that was most of
+//! a GRPO step.
+
+use crate::exp::{exp_shifted, max_of, sums_shifted};
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
+use rayon::prelude::*;
+
+fn f32_rows<'a>(s: &'a CpuStorage, l: &Layout) -> Result<(&'a [f32], usize, usize)> {
+    let (n, v) = l.shape().dims2()?;
+    let Some((start, end)) = l.contiguous_offsets() else {
+        candle_core::bail!("target-logprob: logits must be contiguous");
+    };
+    let data = s.as_slice::<f32>()?;
+    Ok((&data[start..end], n, v))
+}
+
+fn u32_targets<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        candle_core::bail!("target-logprob: targets must be contiguous");
+    };
+    Ok(&s.as_slice::<u32>()?[start..end])
+}
+
+/// `z_t − max − ln Σ exp(z − max)` for one row, with `Σ exp(z − max)·z` when `with_dot`.
+fn row_logprob(row: &[f32], target: u32, with_dot: bool) -> (f32, f64, f64, f32) {
+    let m = max_of(row);
+    let (s, t) = sums_shifted(row, m, 1.0, with_dot);
+    (row[target as usize] - m - s.ln() as f32, s, t, m)
+}
+
+struct TargetLogprob;
+
+impl CustomOp2 for TargetLogprob {
+    fn name(&self) -> &'static str {
+        "target-logprob"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, n, v) = f32_rows(s1, l1)?;
+        let t = u32_targets(s2, l2)?;
+        if t.len() != n || t.iter().any(|&i| i as usize >= v) {
+            candle_core::bail!("target-logprob: {} targets for {n} rows of {v}", t.len());
+        }
+        let out: Vec<f32> = (0..n)
+            .into_par_iter()
+            .map(|i| row_logprob(&x[i * v..(i + 1) * v], t[i], false).0)
+            .collect();
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let logits = logits.contiguous()?;
+        let (g, lp, t) = (
+            grad_res.to_vec1::<f32>()?,
+            res.to_vec1::<f32>()?,
+            targets.to_vec1::<u32>()?,
+        );
+        let (n, v) = logits.dims2()?;
+        let (storage, layout) = logits.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            candle_core::bail!("target-logprob: the backward runs on the CPU");
+        };
+        let (x, _, _) = f32_rows(cpu, layout)?;
+        let mut grad = vec![0f32; n * v];
+        grad.par_chunks_mut(v).enumerate().for_each(|(i, out)| {
+            let row = &x[i * v..(i + 1) * v];
+            // ln Σ exp(z) = z_t − logp_t: the softmax needs no second reduction.
+            let lse = row[t[i] as usize] - lp[i];
+            exp_shifted(out, row, lse, 1.0);
+            for o in out.iter_mut() {
+                *o *= -g[i];
+            }
+            out[t[i] as usize] += g[i];
+        });
+        drop(storage);
+        Ok((Some(Tensor::from_vec(grad, (n, v), logits.device())?), None))
+    }
+}
+
+/// Differentiable `log_softmax(logits)[targets]` of `[N, V]` f32 CPU logits, `[N]` out.
+pub fn target_logprobs(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    let t = Tensor::new(targets, logits.device())?;
+    logits.contiguous()?.apply_op2(&t, TargetLogprob)
+}
+
+/// Log-probabilities of the targets and (when `with_entropy`, else zeros) the entropy of each
+/// row, without gradient, in one pass per row.
+pub fn logprob_entropy(
+    logits: &Tensor,
+    targets: &[u32],
+    with_entropy: bool,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let logits = logits.contiguous()?;
+    let (n, v) = logits.dims2()?;
+    if targets.len() != n || targets.iter().any(|&i| i as usize >= v) {
+        candle_core::bail!(
+            "logprob-entropy: {} targets for {n} rows of {v}",
+            targets.len()
+        );
+    }
+    let (storage, layout) = logits.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("logprob-entropy runs on the CPU");
+    };
+    let (x, _, _) = f32_rows(cpu, layout)?;
+    let both: Vec<(f32, f32)> = (0..n)
+        .into_par_iter()
+        .map(|i| {
+            let (lp, s, t, m) = row_logprob(&x[i * v..(i + 1) * v], targets[i], with_entropy);
+            // H = ln S + max − Σ p·z, with Σ p·z = T / S.
+            let h = if with_entropy {
+                (s.ln() + m as f64 - t / s) as f32
+            } else {
+                0.0
+            };
+            (lp, h)
+        })
+        .collect();
+    Ok(both.into_iter().unzip())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    fn logits() -> Tensor {
+        let v: Vec<f32> = (0..3 * 1000)
+            .map(|i| (((i * 7919) % 613) as f32 / 61.3) - 5.0)
+            .collect();
+        Tensor::from_vec(v, (3, 1000), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn matches_log_softmax_gather_values_and_gradients() {
+        let targets = [5u32, 999, 0];
+        let x = Var::from_tensor(&logits()).unwrap();
+        let weights = Tensor::new(&[1.0f32, -2.0, 0.5], &Device::Cpu).unwrap();
+        let fused = target_logprobs(x.as_tensor(), &targets).unwrap();
+        let g_fused = (&fused * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let ls = candle_nn_free_log_softmax(x.as_tensor());
+        let t = Tensor::new(&targets, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(1)
+            .unwrap();
+        let reference = ls.gather(&t, 1).unwrap().squeeze(1).unwrap();
+        let g_ref = (&reference * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (a, b) = (
+            fused.to_vec1::<f32>().unwrap(),
+            reference.to_vec1::<f32>().unwrap(),
+        );
+        for (p, q) in a.iter().zip(&b) {
+            assert!((p - q).abs() < 1e-5, "{p} vs {q}");
+        }
+        let ga = g_fused.get(x.as_tensor()).unwrap();
+        let gb = g_ref.get(x.as_tensor()).unwrap();
+        let diff = (ga - gb)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff < 1e-6, "{diff}");
+    }
+
+    /// `x − logsumexp(x)` from differentiable primitives.
+    fn candle_nn_free_log_softmax(x: &Tensor) -> Tensor {
+        let m = x.max_keepdim(D::Minus1).unwrap();
+        let shifted = x.broadcast_sub(&m).unwrap();
+        let lse = shifted
+            .exp()
+            .unwrap()
+            .sum_keepdim(D::Minus1)
+            .unwrap()
+            .log()
+            .unwrap();
+        shifted.broadcast_sub(&lse).unwrap()
+    }
+
+    #[test]
+    fn entropy_matches_its_definition() {
+        let x = logits();
+        let (lp, h) = logprob_entropy(&x, &[1, 2, 3], true).unwrap();
+        let ls = candle_nn_free_log_softmax(&x);
+        let want = (ls.exp().unwrap() * &ls)
+            .unwrap()
+            .sum(D::Minus1)
+            .unwrap()
+            .neg()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for (a, b) in h.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+        let direct = target_logprobs(&x, &[1, 2, 3])
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(lp, direct);
+    }
+}
