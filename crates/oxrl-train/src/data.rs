@@ -1,5 +1,6 @@
-//! Prompt datasets: JSONL rows whose prompt column is a string or chat messages, rendered with
-//! the policy's chat template, and a seeded per-epoch order that a checkpoint can resume.
+//! Prompt datasets: JSONL or Parquet rows whose prompt column is a string or chat messages,
+//! rendered with the policy's chat template, and a seeded per-epoch order that a checkpoint can
+//! resume.
 
 use crate::config::DataConfig;
 use oxrl_models::Tokenizer;
@@ -35,6 +36,70 @@ fn messages_of(cell: &Value) -> Option<Value> {
     }
 }
 
+/// One row of a dataset file: where it is (`file:line`, or `file:row N` for Parquet) and its
+/// columns.
+pub struct Row {
+    pub at: String,
+    pub columns: Map<String, Value>,
+}
+
+/// Every row of a JSONL file, or of a Parquet file (`.parquet`), as JSON objects.
+pub fn read_rows(file: &Path) -> Result<Vec<Row>, DataError> {
+    let is_parquet = file
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("parquet"));
+    if is_parquet {
+        return read_parquet(file);
+    }
+    let text =
+        std::fs::read_to_string(file).map_err(|e| DataError(format!("{}: {e}", file.display())))?;
+    let mut rows = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let at = format!("{}:{}", file.display(), i + 1);
+        let columns = match serde_json::from_str(raw) {
+            Ok(Value::Object(m)) => m,
+            Ok(_) => return Err(DataError(format!("{at}: expected a JSON object"))),
+            Err(e) => return Err(DataError(format!("{at}: invalid JSON: {e}"))),
+        };
+        rows.push(Row { at, columns });
+    }
+    Ok(rows)
+}
+
+/// Parquet rows through Arrow, each converted to a JSON object (lists and structs nest, as the
+/// `messages` column of chat datasets does).
+fn read_parquet(file: &Path) -> Result<Vec<Row>, DataError> {
+    use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+    let err = |e: &dyn std::fmt::Display| DataError(format!("{}: {e}", file.display()));
+    let f = std::fs::File::open(file).map_err(|e| err(&e))?;
+    let reader = ParquetRecordBatchReaderBuilder::try_new(f)
+        .map_err(|e| err(&e))?
+        .build()
+        .map_err(|e| err(&e))?;
+    let mut rows = Vec::new();
+    for batch in reader {
+        let batch = batch.map_err(|e| err(&e))?;
+        let mut buf = Vec::new();
+        let mut writer = arrow_json::ArrayWriter::new(&mut buf);
+        writer.write_batches(&[&batch]).map_err(|e| err(&e))?;
+        writer.finish().map_err(|e| err(&e))?;
+        let objects: Vec<Map<String, Value>> = match buf.is_empty() {
+            true => Vec::new(),
+            false => serde_json::from_slice(&buf).map_err(|e| err(&e))?,
+        };
+        for columns in objects {
+            rows.push(Row {
+                at: format!("{}:row {}", file.display(), rows.len() + 1),
+                columns,
+            });
+        }
+    }
+    Ok(rows)
+}
+
 /// Reads every file, renders and tokenizes each prompt, and drops (or refuses) prompts longer
 /// than `max_prompt_length` tokens. Returns the rows and how many were dropped.
 pub fn load_prompts(
@@ -49,19 +114,7 @@ pub fn load_prompts(
         kwargs.insert("enable_thinking".into(), Value::Bool(t));
     }
     for file in files {
-        let file = file.as_ref();
-        let text = std::fs::read_to_string(file)
-            .map_err(|e| DataError(format!("{}: {e}", file.display())))?;
-        for (i, raw) in text.lines().enumerate() {
-            if raw.trim().is_empty() {
-                continue;
-            }
-            let at = format!("{}:{}", file.display(), i + 1);
-            let row: Map<String, Value> = match serde_json::from_str(raw) {
-                Ok(Value::Object(m)) => m,
-                Ok(_) => return Err(DataError(format!("{at}: expected a JSON object"))),
-                Err(e) => return Err(DataError(format!("{at}: invalid JSON: {e}"))),
-            };
+        for Row { at, columns: row } in read_rows(file.as_ref())? {
             let cell = row.get(&cfg.prompt_key).ok_or_else(|| {
                 DataError(format!(
                     "{at}: no `{}` column (data.prompt_key)",

@@ -3,7 +3,7 @@
 //! the turn rendered with the generation prompt, the response is what the full render adds.
 
 use crate::config::RunConfig;
-use crate::data::{DataCursor, DataError, DataOrder};
+use crate::data::{read_rows, DataCursor, DataError, DataOrder, Row};
 use crate::grpo::build_trainer;
 use crate::observe::{Gauges, MetricsLog, Progress};
 use crate::state::{self, TrainerState};
@@ -23,20 +23,15 @@ pub fn load_examples(
 ) -> std::result::Result<Vec<ScoreRequest>, DataError> {
     let mut out = Vec::new();
     for file in files {
-        let text = std::fs::read_to_string(file)
-            .map_err(|e| DataError(format!("{}: {e}", file.display())))?;
-        for (i, raw) in text.lines().enumerate() {
-            if raw.trim().is_empty() {
-                continue;
-            }
-            let at = format!("{}:{}", file.display(), i + 1);
-            let row: Value = serde_json::from_str(raw)
-                .map_err(|e| DataError(format!("{at}: invalid JSON: {e}")))?;
-            let messages = row.get(column).and_then(Value::as_array).ok_or_else(|| {
-                DataError(format!(
-                    "{at}: `{column}` must be a list of chat messages (data.prompt_key)"
-                ))
-            })?;
+        for Row { at, columns } in read_rows(file)? {
+            let messages = columns
+                .get(column)
+                .and_then(Value::as_array)
+                .ok_or_else(|| {
+                    DataError(format!(
+                        "{at}: `{column}` must be a list of chat messages (data.prompt_key)"
+                    ))
+                })?;
             for (turn, m) in messages.iter().enumerate() {
                 if m.get("role").and_then(Value::as_str) != Some("assistant") {
                     continue;
