@@ -37,6 +37,7 @@ pub const KEYS: &[KeyDoc] = keys! {
     "model" "dtype" = "\"f32\"" : "compute dtype: f32, bf16 or f16";
     "reference" "path" = "the policy's initial weights" : "reference model for the KL term (loaded only when kl_coef > 0)";
     "data" "train_files" = "(required unless --rollouts)" : "JSONL or Parquet dataset(s), paths relative to this file";
+    "data" "val_files" = "none" : "validation dataset(s), decoded greedily and scored before training, every eval_every steps and at the end";
     "data" "prompt_key" = "\"prompt\"" : "column with the prompt: a string or chat messages";
     "data" "answer_key" = "\"answer\"" : "column with the ground truth passed to rewards";
     "data" "max_prompt_length" = "1024" : "prompt tokens after the chat template";
@@ -79,6 +80,7 @@ pub const KEYS: &[KeyDoc] = keys! {
     "trainer" "max_grad_norm" = "1.0" : "global gradient-norm clip";
     "trainer" "lr_schedule" = "\"constant\"" : "constant, linear, cosine (each after warmup)";
     "trainer" "warmup_steps" = "0" : "linear warmup optimizer steps";
+    "trainer" "eval_every" = "0 (start and end only)" : "validation every N steps, when [data] val_files is set";
     "trainer" "save_every" = "0" : "checkpoint every N steps (0 = only at the end)";
     "trainer" "seed" = "42" : "data order and sampling seed";
     "trainer" "output_dir" = "\"runs/<config name>\"" : "checkpoints, metrics.jsonl, reward.svg";
@@ -136,6 +138,7 @@ enum OneOrMany {
 #[serde(default)]
 struct RawData {
     train_files: Option<OneOrMany>,
+    val_files: Option<OneOrMany>,
     prompt_key: Option<String>,
     answer_key: Option<String>,
     max_prompt_length: Option<usize>,
@@ -217,6 +220,7 @@ struct RawTrainer {
     lr_schedule: Option<String>,
     warmup_steps: Option<u64>,
     save_every: Option<u64>,
+    eval_every: Option<u64>,
     seed: Option<u64>,
     output_dir: Option<String>,
 }
@@ -251,6 +255,7 @@ struct RawConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataConfig {
     pub train_files: Vec<PathBuf>,
+    pub val_files: Vec<PathBuf>,
     pub prompt_key: String,
     pub answer_key: String,
     pub max_prompt_length: usize,
@@ -292,6 +297,7 @@ pub struct RunConfig {
     pub batch_size: usize,
     pub max_steps: u64,
     pub save_every: u64,
+    pub eval_every: u64,
     pub seed: u64,
     pub output_dir: PathBuf,
     pub prometheus_port: Option<u16>,
@@ -586,6 +592,7 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
     let overlong = d.overlong_prompts.unwrap_or_else(|| "filter".into());
     let data = DataConfig {
         train_files: resolve_paths(&base, d.train_files),
+        val_files: resolve_paths(&base, d.val_files),
         prompt_key: d.prompt_key.unwrap_or_else(|| "prompt".into()),
         answer_key: d.answer_key.unwrap_or_else(|| "answer".into()),
         max_prompt_length: d.max_prompt_length.unwrap_or(1024),
@@ -809,6 +816,7 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         batch_size,
         max_steps,
         save_every: t.save_every.unwrap_or(0),
+        eval_every: t.eval_every.unwrap_or(0),
         seed: t.seed.unwrap_or(42),
         output_dir: match t.output_dir {
             Some(d) => join_clean(&base, &d),

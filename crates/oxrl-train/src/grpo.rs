@@ -11,8 +11,8 @@ use crate::trajectory::Trajectory;
 use crate::update::{PolicyTrainer, Result, TrainError};
 use candle_core::{DType, Device};
 use oxrl_models::{eos_token_ids, hub::resolve_model, Qwen3, Tokenizer};
-use oxrl_reward::{build_rule, RewardInput, RewardSet, RuleSpec, WeightedReward};
-use oxrl_rollout::{Engine, LocalEngine, SamplerConfig, SamplingParams};
+use oxrl_reward::{build_rule, RewardInput, RewardOutcome, RewardSet, RuleSpec, WeightedReward};
+use oxrl_rollout::{Completion, Engine, LocalEngine, SamplerConfig, SamplingParams};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -98,6 +98,8 @@ pub struct GrpoRun {
     tokenizer: Arc<Tokenizer>,
     rewards: RewardSet,
     prompts: Vec<PromptRow>,
+    /// Validation prompts (`[data] val_files`), decoded greedily.
+    val: Vec<PromptRow>,
     order: DataOrder,
     step: u64,
     metrics: MetricsLog,
@@ -128,6 +130,10 @@ impl GrpoRun {
         let model_dir = resolve_model(&cfg.model_path)?;
         let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir)?);
         let (prompts, dropped) = load_prompts(&cfg.data.train_files, &cfg.data, &tokenizer)?;
+        let val = match cfg.data.val_files.is_empty() {
+            true => Vec::new(),
+            false => load_prompts(&cfg.data.val_files, &cfg.data, &tokenizer)?.0,
+        };
         if dropped > 0 {
             eprintln!(
                 "data: dropped {dropped} prompts longer than max_prompt_length = {}",
@@ -179,6 +185,7 @@ impl GrpoRun {
             tokenizer,
             rewards,
             prompts,
+            val,
             order,
             step,
             metrics,
@@ -190,8 +197,21 @@ impl GrpoRun {
     /// Runs until `max_steps` steps are done (counting steps before a resume).
     pub fn run(&mut self, max_steps: u64) -> Result<RunSummary> {
         let progress = Progress::new(max_steps);
+        let eval_every = self.cfg.eval_every;
+        if self.step == 0 && !self.val.is_empty() {
+            let v = self.validate()?;
+            eprintln!(
+                "validation before training: reward {:.3}",
+                v["val/reward_mean"]
+            );
+            self.log(&v)?;
+        }
         while self.step < max_steps {
-            let m = self.step_once()?;
+            let mut m = self.step_once()?;
+            if (eval_every > 0 && self.step.is_multiple_of(eval_every)) || self.step == max_steps {
+                m.extend(self.validate()?);
+            }
+            self.log(&m)?;
             progress.step(self.step, &m);
             let periodic = self.cfg.save_every > 0 && self.step.is_multiple_of(self.cfg.save_every);
             if periodic || self.step == max_steps {
@@ -263,26 +283,11 @@ impl GrpoRun {
         let time_rollout = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
-        let mut inputs = Vec::new();
-        for (&row, samples) in rows.iter().zip(&completions) {
-            let p = &self.prompts[row];
-            for c in samples {
-                let response = match &c.text {
-                    Some(t) => t.clone(),
-                    None => self.tokenizer.decode(&c.response_ids, true)?,
-                };
-                inputs.push(RewardInput {
-                    prompt: p.prompt_text.clone(),
-                    response,
-                    row: p.row.clone(),
-                    response_tokens: c.response_ids.len(),
-                });
-            }
-        }
-        let outcome = self.rewards.score(&inputs);
+        let asked: Vec<&PromptRow> = rows.iter().map(|&i| &self.prompts[i]).collect();
+        let outcome = self.score(&asked, &completions)?;
         let time_reward = t.elapsed().as_secs_f64();
 
-        let mut trajs = Vec::with_capacity(inputs.len());
+        let mut trajs = Vec::with_capacity(outcome.total.len());
         let mut k = 0;
         for (slot, (&row, samples)) in rows.iter().zip(&completions).enumerate() {
             for c in samples {
@@ -344,11 +349,74 @@ impl GrpoRun {
             "rollout/tokens_per_s".into(),
             generated / time_rollout.max(1e-9),
         );
-        self.metrics.append(&m, self.step)?;
-        self.gauges.set(&m);
+        Ok(m)
+    }
+
+    /// Rewards of every completion of `asked[i]` (`completions[i]`), prompt-major.
+    fn score(
+        &self,
+        asked: &[&PromptRow],
+        completions: &[Vec<Completion>],
+    ) -> Result<RewardOutcome> {
+        let mut inputs = Vec::new();
+        for (p, samples) in asked.iter().zip(completions) {
+            for c in samples {
+                let response = match &c.text {
+                    Some(t) => t.clone(),
+                    None => self.tokenizer.decode(&c.response_ids, true)?,
+                };
+                inputs.push(RewardInput {
+                    prompt: p.prompt_text.clone(),
+                    response,
+                    row: p.row.clone(),
+                    response_tokens: c.response_ids.len(),
+                });
+            }
+        }
+        Ok(self.rewards.score(&inputs))
+    }
+
+    /// Greedy decoding of every validation prompt, scored: `val/reward_mean`, per function
+    /// `val/reward/<name>`, `val/response_length_mean`. Empty without `[data] val_files`.
+    pub fn validate(&mut self) -> Result<BTreeMap<String, f64>> {
+        let mut m = BTreeMap::new();
+        if self.val.is_empty() {
+            return Ok(m);
+        }
+        let r = &self.cfg.rollout;
+        let params = SamplingParams {
+            n: 1,
+            max_new_tokens: r.max_new_tokens,
+            sampler: SamplerConfig {
+                temperature: 0.0,
+                ..Default::default()
+            },
+            stop_strings: r.stop.clone(),
+            ..Default::default()
+        };
+        let prompt_ids: Vec<Vec<u32>> = self.val.iter().map(|p| p.prompt_ids.clone()).collect();
+        let completions = self.engine.generate(&prompt_ids, &params)?;
+        let asked: Vec<&PromptRow> = self.val.iter().collect();
+        let outcome = self.score(&asked, &completions)?;
+        m.insert("val/reward_mean".into(), mean_std(&outcome.total).0);
+        for (name, scores) in &outcome.per_function {
+            m.insert(format!("val/reward/{name}"), mean_std(scores).0);
+        }
+        let lens: Vec<f64> = completions
+            .iter()
+            .flatten()
+            .map(|c| c.response_ids.len() as f64)
+            .collect();
+        m.insert("val/response_length_mean".into(), mean_std(&lens).0);
+        Ok(m)
+    }
+
+    fn log(&self, m: &BTreeMap<String, f64>) -> Result<()> {
+        self.metrics.append(m, self.step)?;
+        self.gauges.set(m);
         self.gauges
             .set(&BTreeMap::from([("step".to_string(), self.step as f64)]));
-        Ok(m)
+        Ok(())
     }
 
     fn write_rollouts(&self, trajs: &[Trajectory]) -> Result<()> {

@@ -51,6 +51,7 @@ fn parquet_rows_equal_their_jsonl_source() {
     .unwrap();
     let cfg = DataConfig {
         train_files: vec![],
+        val_files: vec![],
         prompt_key: "prompt".into(),
         answer_key: "answer".into(),
         max_prompt_length: 64,

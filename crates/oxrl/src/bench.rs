@@ -70,6 +70,17 @@ pub fn w1_model(seed: u64) -> Result<Qwen3> {
     Ok(Qwen3::random(config, seed, DType::F32, &Device::Cpu)?)
 }
 
+/// W1's prompts: ~20 random tokens each, of slightly different lengths (as the peer scripts').
+fn w1_prompts(count: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Vec<Vec<u32>> {
+    (0..count)
+        .map(|p| {
+            (0..18 + p % 5)
+                .map(|_| rng.random_range(0..vocab as u32))
+                .collect()
+        })
+        .collect()
+}
+
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Generate(b) => generate(b),
@@ -79,16 +90,11 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
 
 fn generate(b: GenerateBench) -> Result<()> {
     let model = Arc::new(w1_model(0)?);
-    let vocab = model.config.vocab_size as u32;
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
-    // ~20-token prompts of slightly different lengths, as in hf_generate_w1.py's batch.
-    let prompts: Vec<Vec<u32>> = (0..b.prompts)
-        .map(|p| {
-            (0..18 + p % 5)
-                .map(|_| rng.random_range(0..vocab))
-                .collect()
-        })
-        .collect();
+    let prompts = w1_prompts(
+        b.prompts,
+        model.config.vocab_size,
+        &mut ChaCha8Rng::seed_from_u64(1),
+    );
     let params = SamplingParams {
         n: b.n,
         max_new_tokens: b.new_tokens,
@@ -211,15 +217,8 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
     };
     let mut trainer = PolicyTrainer::new(policy, Some(reference), algorithm, update)?;
     let mut engine = LocalEngine::new(Arc::new(trainer.policy.detached()), None, Vec::new());
-    let vocab = trainer.policy.config.vocab_size as u32;
     let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let prompts: Vec<Vec<u32>> = (0..b.prompts)
-        .map(|p| {
-            (0..18 + p % 5)
-                .map(|_| rng.random_range(0..vocab))
-                .collect()
-        })
-        .collect();
+    let prompts = w1_prompts(b.prompts, trainer.policy.config.vocab_size, &mut rng);
     let params = SamplingParams {
         n: b.n,
         max_new_tokens: b.new_tokens,

@@ -113,10 +113,7 @@ fn demo_config(dir: &Path, batch: usize, steps: usize) -> PathBuf {
     let data = repo().join("examples/arithmetic/data/prompts.jsonl");
     let text = text
         .replace("path = \"policy\"", &format!("path = \"{}\"", s(&policy)))
-        .replace(
-            "train_files = \"data/prompts.jsonl\"",
-            &format!("train_files = \"{}\"", s(&data)),
-        )
+        .replace("\"data/prompts.jsonl\"", &format!("\"{}\"", s(&data)))
         .replace("batch_size = 32", &format!("batch_size = {batch}"))
         .replace("max_steps = 200", &format!("max_steps = {steps}"))
         .replace("save_every = 20", "save_every = 2");
@@ -165,11 +162,7 @@ fn resume_continues_exactly_where_the_run_stopped() {
         std::fs::read_to_string(d.join("metrics.jsonl"))
             .unwrap()
             .lines()
-            .map(|l| {
-                serde_json::from_str::<Value>(l).unwrap()["reward_mean"]
-                    .as_f64()
-                    .unwrap()
-            })
+            .filter_map(|l| serde_json::from_str::<Value>(l).unwrap()["reward_mean"].as_f64())
             .collect()
     };
     assert_eq!(rewards(&whole), rewards(&split));
@@ -196,15 +189,20 @@ fn the_demo_learns() {
     let rewards: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| {
-            serde_json::from_str::<Value>(l).unwrap()["reward_mean"]
-                .as_f64()
-                .unwrap()
-        })
+        .filter_map(|l| serde_json::from_str::<Value>(l).unwrap()["reward_mean"].as_f64())
         .collect();
     let first: f64 = rewards[..10].iter().sum::<f64>() / 10.0;
     let last: f64 = rewards[rewards.len() - 10..].iter().sum::<f64>() / 10.0;
     assert!(last - first >= 0.1, "reward {first:.3} → {last:.3}");
+    // Greedy validation ran before training (step 0) and at the end.
+    let lines: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["step"], 0);
+    assert!(lines[0]["val/reward_mean"].is_number());
+    assert!(lines.last().unwrap()["val/reward/correct"].is_number());
     assert!(std::fs::read_to_string(out.join("reward.svg"))
         .unwrap()
         .contains("<polyline"));
