@@ -18,6 +18,8 @@ pub struct Qwen3Config {
     pub rope_theta: f64,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
+    /// Qwen3-VL's interleaved MRoPE: frequencies per axis (T, H, W); `None` for plain RoPE.
+    pub mrope_section: Option<[usize; 3]>,
     /// Storage dtype named by the checkpoint (`dtype` or `torch_dtype`), if any.
     pub stored_dtype: Option<String>,
 }
@@ -53,13 +55,24 @@ impl Qwen3Config {
             Some(Value::Null) | None => hidden_size / num_attention_heads,
             Some(_) => usize_key("head_dim")?,
         };
+        // Qwen3-VL text configs (`qwen3_vl_text`) always use interleaved MRoPE.
+        let is_vl_text = v.get("model_type").and_then(Value::as_str) == Some("qwen3_vl_text");
+        let rope = v.get("rope_parameters").or_else(|| v.get("rope_scaling"));
+        let mrope_section = match rope.and_then(|p| p.get("mrope_section")) {
+            Some(Value::Array(a)) if a.len() == 3 && a.iter().all(|x| x.as_u64().is_some()) => {
+                let n = |i: usize| a[i].as_u64().unwrap_or(0) as usize;
+                Some([n(0), n(1), n(2)])
+            }
+            Some(Value::Null) | None => is_vl_text.then_some([24, 20, 20]),
+            Some(_) => return Err(err("rope_parameters.mrope_section", "three integers")),
+        };
         let rope_theta = v
             .get("rope_parameters")
             .and_then(|p| p.get("rope_theta"))
             .or_else(|| v.get("rope_theta"))
             .map(|t| t.as_f64().ok_or_else(|| err("rope_theta", "a number")))
             .transpose()?
-            .unwrap_or(1_000_000.0);
+            .unwrap_or(if is_vl_text { 500_000.0 } else { 1_000_000.0 });
         let rope_type = v
             .get("rope_parameters")
             .or_else(|| v.get("rope_scaling"))
@@ -96,6 +109,7 @@ impl Qwen3Config {
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
+            mrope_section,
             stored_dtype: v
                 .get("dtype")
                 .or_else(|| v.get("torch_dtype"))

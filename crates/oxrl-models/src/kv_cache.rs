@@ -7,15 +7,20 @@
 //! softmax-in-f32 as the training path, so the two give the same numbers.
 
 use crate::error::{ModelError, Result};
-use crate::qwen3::{linear, rms_norm, Qwen3};
+use crate::image::ProcessedImage;
+use crate::qwen3::{linear, rms_norm, Qwen3, VisualInjection};
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
+use std::sync::Arc;
 
 /// Keys and values of one sequence: per layer, rows `[position][kv_head][hd]` in f32.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     layers: Vec<LayerCache>,
     len: usize,
+    /// How far rotary positions run ahead of token indices after the prompt's images
+    /// (`rope_delta` of Qwen3-VL's `get_rope_index`; 0 for text).
+    rope_delta: i64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -91,6 +96,7 @@ impl Qwen3 {
         KvCache {
             layers: vec![LayerCache::default(); self.config.num_hidden_layers],
             len: 0,
+            rope_delta: 0,
         }
     }
 
@@ -103,9 +109,24 @@ impl Qwen3 {
         chunks: &[&[u32]],
         caches: &mut [&mut KvCache],
     ) -> Result<VocabSlices> {
-        if chunks.len() != caches.len() || chunks.iter().any(|c| c.is_empty()) {
+        self.forward_cached_with(chunks, &vec![&[][..]; chunks.len()], caches)
+    }
+
+    /// [`Qwen3::forward_cached`] where chunk `i` may carry `images[i]`, the images whose tokens
+    /// it holds (Qwen3-VL): a chunk with images must be the first of its sequence (a prompt),
+    /// and sets the cache's position offset for everything decoded after it.
+    pub fn forward_cached_with(
+        &self,
+        chunks: &[&[u32]],
+        images: &[&[Arc<ProcessedImage>]],
+        caches: &mut [&mut KvCache],
+    ) -> Result<VocabSlices> {
+        if chunks.len() != caches.len()
+            || chunks.len() != images.len()
+            || chunks.iter().any(|c| c.is_empty())
+        {
             return Err(ModelError::InvalidInput(
-                "forward_cached needs one non-empty chunk per cache".into(),
+                "forward_cached needs one non-empty chunk (and one image list) per cache".into(),
             ));
         }
         let c = &self.config;
@@ -121,15 +142,39 @@ impl Qwen3 {
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut offsets = vec![0usize];
-        for (chunk, cache) in chunks.iter().zip(caches.iter()) {
+        let mut deltas = Vec::with_capacity(chunks.len());
+        for ((chunk, cache), imgs) in chunks.iter().zip(caches.iter()).zip(images) {
             ids.extend_from_slice(chunk);
-            positions.extend((cache.len..cache.len + chunk.len()).map(|p| p as u32));
+            match &self.vision {
+                Some(v) if !imgs.is_empty() => {
+                    if cache.len != 0 {
+                        return Err(ModelError::InvalidInput(
+                            "images can only come with a sequence's first chunk".into(),
+                        ));
+                    }
+                    let grids: Vec<[usize; 3]> = imgs.iter().map(|i| i.grid_thw).collect();
+                    let (p, delta) = v.tokens.rope_index(chunk, &grids)?;
+                    positions.extend(p);
+                    deltas.push(delta);
+                }
+                None if !imgs.is_empty() => {
+                    return Err(ModelError::InvalidInput(
+                        "the input has images, but the model has no vision tower".into(),
+                    ))
+                }
+                _ => {
+                    let start = cache.len as i64 + cache.rope_delta;
+                    positions.extend((start..start + chunk.len() as i64).map(|p| [p as u32; 3]));
+                    deltas.push(cache.rope_delta);
+                }
+            }
             offsets.push(ids.len());
         }
         self.validate_vocab(&ids, "decode input")?;
         if let Some(p) = positions
             .iter()
-            .find(|&&p| p as usize >= c.max_position_embeddings)
+            .map(|p| p.iter().max().copied().unwrap_or(0))
+            .find(|&p| p as usize >= c.max_position_embeddings)
         {
             return Err(ModelError::InvalidInput(format!(
                 "position {p} is past the model's {} positions (max_position_embeddings)",
@@ -138,8 +183,19 @@ impl Qwen3 {
         }
         let total = ids.len();
         let (cos, sin) = self.rope_tables(&positions)?;
+        let visual = match &self.vision {
+            Some(v) if images.iter().any(|i| !i.is_empty()) => {
+                let all: Vec<&ProcessedImage> =
+                    images.iter().flat_map(|i| i.iter().map(|p| &**p)).collect();
+                Some(VisualInjection::new(v, &ids, &all, &self.device)?)
+            }
+            _ => None,
+        };
         let ids = Tensor::from_vec(ids, total, &self.device)?;
         let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        if let Some(v) = &visual {
+            x = v.write_embeds(&x)?;
+        }
         for (l, layer) in self.layers.iter().enumerate() {
             let xn = rms_norm(&x, &layer.input_layernorm, c.rms_norm_eps)?;
             let (q, k, v) = self.qkv(layer, &xn, &cos, &sin)?;
@@ -168,9 +224,13 @@ impl Qwen3 {
                 Tensor::from_vec(attn, (total, q_width), &self.device)?.to_dtype(self.dtype)?;
             x = (x + linear(&attn, &layer.o_proj)?)?;
             x = self.mlp_block(layer, &x)?;
+            if let Some(v) = &visual {
+                x = v.add_deepstack(&x, l)?;
+            }
         }
-        for (cache, chunk) in caches.iter_mut().zip(chunks) {
+        for ((cache, chunk), delta) in caches.iter_mut().zip(chunks).zip(deltas) {
             cache.len += chunk.len();
+            cache.rope_delta = delta;
         }
         let last: Vec<u32> = offsets[1..].iter().map(|&o| o as u32 - 1).collect();
         let last = Tensor::from_vec(last, chunks.len(), &self.device)?;

@@ -6,12 +6,17 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod hub;
+pub mod image;
 pub mod kv_cache;
+pub mod mrope;
 pub mod qwen3;
 pub mod tokenizer;
+pub mod vision;
 
 pub use config::Qwen3Config;
 pub use error::{ModelError, Result};
+pub use image::{ImageProcessorConfig, ImageSource, ProcessedImage};
 pub use kv_cache::{KvCache, VocabSlices};
-pub use qwen3::{BatchLogprobs, Entropy, Qwen3, ScoreRequest};
+pub use mrope::VisionTokens;
+pub use qwen3::{BatchLogprobs, Entropy, Qwen3, ScoreRequest, Vision};
 pub use tokenizer::{eos_token_ids, Tokenizer};

@@ -1,4 +1,7 @@
-//! Qwen3 decoder (`Qwen3ForCausalLM`), per qwen3-vl-spec §1.
+//! Qwen3 decoder (`Qwen3ForCausalLM`), per qwen3-vl-spec §1, and Qwen3-VL
+//! (`Qwen3VLForConditionalGeneration`, §2): the same decoder with interleaved MRoPE, image
+//! embeddings written over the `<|image_pad|>` tokens and DeepStack features added after the
+//! first text layers, fed by the vision tower in [`crate::vision`].
 //!
 //! Two paths over the same weights give the same numbers:
 //! - the training path here ([`Qwen3::forward`], [`Qwen3::score_batch`]) is built only from candle
@@ -10,10 +13,14 @@
 use crate::checkpoint::load_tensors;
 use crate::config::Qwen3Config;
 use crate::error::{ModelError, Result};
+use crate::image::{ImageProcessorConfig, ProcessedImage};
+use crate::mrope::VisionTokens;
+use crate::vision::{VisionConfig, VisionTower};
 use candle_core::{DType, Device, Tensor, Var, D};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 pub struct Layer {
     pub input_layernorm: Tensor,
@@ -52,7 +59,16 @@ impl Layer {
     }
 }
 
+/// The vision half of a Qwen3-VL checkpoint: the tower, the token ids it fills, and the image
+/// processor settings its images are prepared with.
+pub struct Vision {
+    pub tower: VisionTower,
+    pub tokens: VisionTokens,
+    pub processor: ImageProcessorConfig,
+}
+
 pub struct Qwen3 {
+    /// The text decoder's configuration (`text_config` of a Qwen3-VL checkpoint).
     pub config: Qwen3Config,
     /// The checkpoint's `config.json` as read, written back on save so no key is lost.
     pub config_json: Value,
@@ -63,8 +79,164 @@ pub struct Qwen3 {
     pub lm_head: Tensor,
     /// True when `lm_head` is the embedding matrix (no `lm_head.weight` in the checkpoint).
     pub tied: bool,
+    /// The vision tower of a Qwen3-VL checkpoint; `None` for a text-only Qwen3.
+    pub vision: Option<Vision>,
     pub dtype: DType,
     pub device: Device,
+}
+
+/// How a checkpoint's `config.json` describes the model: the text decoder and, for Qwen3-VL,
+/// the vision tower and its token ids.
+fn parse_config(
+    v: &Value,
+    path: &Path,
+) -> Result<(Qwen3Config, Option<(VisionConfig, VisionTokens)>)> {
+    let Some(vision) = v.get("vision_config") else {
+        return Ok((Qwen3Config::from_value(v, path)?, None));
+    };
+    let text = v.get("text_config").ok_or_else(|| ModelError::ConfigKey {
+        path: path.to_path_buf(),
+        key: "text_config".into(),
+        expected:
+            "the text decoder's settings (a Qwen3-VL config has both text_config and vision_config)"
+                .into(),
+    })?;
+    let mut config = Qwen3Config::from_value(text, path)?;
+    if config.mrope_section.is_none() {
+        config.mrope_section = Some([24, 20, 20]);
+    }
+    // transformers 5 ties from the top-level flag (4.x read text_config's).
+    config.tie_word_embeddings = v
+        .get("tie_word_embeddings")
+        .or_else(|| text.get("tie_word_embeddings"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    config.stored_dtype = v
+        .get("dtype")
+        .or_else(|| v.get("torch_dtype"))
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .or(config.stored_dtype);
+    let vision = VisionConfig::from_value(vision, path)?;
+    let id = |key: &str, default: u32| -> Result<u32> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(x) => x
+                .as_u64()
+                .filter(|&n| n <= u32::MAX as u64)
+                .map(|n| n as u32)
+                .ok_or_else(|| ModelError::ConfigKey {
+                    path: path.to_path_buf(),
+                    key: key.into(),
+                    expected: "a token id".into(),
+                }),
+        }
+    };
+    let tokens = VisionTokens {
+        image_token_id: id("image_token_id", 151_655)?,
+        video_token_id: id("video_token_id", 151_656)?,
+        vision_start_token_id: id("vision_start_token_id", 151_652)?,
+        vision_end_token_id: id("vision_end_token_id", 151_653)?,
+        merge_size: vision.spatial_merge_size,
+    };
+    if vision.out_hidden_size != config.hidden_size {
+        return Err(ModelError::ConfigKey {
+            path: path.to_path_buf(),
+            key: "vision_config.out_hidden_size".into(),
+            expected: format!("the text hidden size {}", config.hidden_size),
+        });
+    }
+    Ok((config, Some((vision, tokens))))
+}
+
+/// Checkpoint prefix of the text decoder's weights: `model.language_model.` in Qwen3-VL.
+fn text_prefix(vl: bool) -> &'static str {
+    if vl {
+        "model.language_model."
+    } else {
+        "model."
+    }
+}
+
+/// The visual part of a batch's forward: where the image tokens sit in the flattened
+/// `[B·S]` rows, the merged image embeddings written there, and the DeepStack features added
+/// there after the first text layers.
+pub(crate) struct VisualInjection {
+    /// Flat row index of every image token, in image order.
+    pub index: Tensor,
+    /// `[B·S, 1]`: 0 at image tokens, 1 elsewhere (the text embedding is replaced, not summed).
+    pub keep: Tensor,
+    pub embeds: Tensor,
+    pub deepstack: Vec<Tensor>,
+}
+
+impl VisualInjection {
+    /// Runs the vision tower over `images` (in prompt order) and places the result at the image
+    /// tokens of the flattened ids.
+    pub(crate) fn new(
+        vision: &Vision,
+        flat_ids: &[u32],
+        images: &[&ProcessedImage],
+        device: &Device,
+    ) -> Result<Self> {
+        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+        let rows: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
+        let mut pixels = Vec::with_capacity(rows * vision.tower.config.patch_dim());
+        for img in images {
+            pixels.extend_from_slice(&img.pixel_values);
+        }
+        let dim = vision.tower.config.patch_dim();
+        if pixels.len() != rows * dim {
+            return Err(ModelError::InvalidInput(format!(
+                "image pixel values hold {} numbers; their grids {grids:?} need {}",
+                pixels.len(),
+                rows * dim
+            )));
+        }
+        let out = vision
+            .tower
+            .forward(&Tensor::from_vec(pixels, (rows, dim), device)?, &grids)?;
+        let image_token = vision.tokens.image_token_id;
+        let index: Vec<u32> = (0..flat_ids.len() as u32)
+            .filter(|&i| flat_ids[i as usize] == image_token)
+            .collect();
+        if index.len() != out.embeds.dim(0)? {
+            return Err(ModelError::InvalidInput(format!(
+                "the batch has {} image tokens but its images give {} embeddings",
+                index.len(),
+                out.embeds.dim(0)?
+            )));
+        }
+        let keep: Vec<f32> = flat_ids
+            .iter()
+            .map(|&t| if t == image_token { 0.0 } else { 1.0 })
+            .collect();
+        let n = index.len();
+        Ok(Self {
+            index: Tensor::from_vec(index, n, device)?,
+            keep: Tensor::from_vec(keep, (flat_ids.len(), 1), device)?,
+            embeds: out.embeds,
+            deepstack: out.deepstack,
+        })
+    }
+
+    /// `x` `[B·S, D]` with the image embeddings in place of the image tokens' embeddings.
+    pub(crate) fn write_embeds(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.broadcast_mul(&self.keep.to_dtype(x.dtype())?)?.index_add(
+            &self.index,
+            &self.embeds.to_dtype(x.dtype())?,
+            0,
+        )
+    }
+
+    /// `x` `[B·S, D]` plus DeepStack feature `layer` at the image tokens (after text layer
+    /// `layer`; nothing past the last feature).
+    pub(crate) fn add_deepstack(&self, x: &Tensor, layer: usize) -> candle_core::Result<Tensor> {
+        match self.deepstack.get(layer) {
+            Some(f) => x.index_add(&self.index, &f.to_dtype(x.dtype())?, 0),
+            None => Ok(x.clone()),
+        }
+    }
 }
 
 fn take(map: &mut HashMap<String, Tensor>, name: &str, shape: &[usize]) -> Result<Tensor> {
@@ -110,9 +282,24 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 /// One sequence to score: `log p(response[i] | prompt ++ response[..i])` at a temperature.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScoreRequest {
+    /// Prompt ids, each image already expanded to its run of image tokens.
     pub prompt_ids: Vec<u32>,
     pub response_ids: Vec<u32>,
     pub temperature: f64,
+    /// The prompt's images, in the order their tokens appear (Qwen3-VL only).
+    pub images: Vec<Arc<ProcessedImage>>,
+}
+
+impl ScoreRequest {
+    /// A text-only request.
+    pub fn text(prompt_ids: Vec<u32>, response_ids: Vec<u32>, temperature: f64) -> Self {
+        Self {
+            prompt_ids,
+            response_ids,
+            temperature,
+            images: Vec::new(),
+        }
+    }
 }
 
 /// Response log-probs of a batch: `[R]` f32 over every response token, request after request.
@@ -155,18 +342,49 @@ impl Qwen3 {
                 path: config_path.clone(),
                 source,
             })?;
-        let config = Qwen3Config::from_value(&config_json, &config_path)?;
         let tensors = load_tensors(dir, dtype, device)?;
-        Self::from_tensors(config, config_json, tensors, dtype, device)
+        let mut model = Self::from_tensors(config_json, &config_path, tensors, dtype, device)?;
+        if let Some(vision) = &mut model.vision {
+            let pre = dir.join("preprocessor_config.json");
+            if pre.exists() {
+                vision.processor = ImageProcessorConfig::from_file(&pre)?;
+            }
+        }
+        Ok(model)
     }
 
+    /// Checkpoint prefix of the text decoder's weights.
+    fn text_prefix(&self) -> &'static str {
+        text_prefix(self.vision.is_some())
+    }
+
+    /// Builds the model `config_json` describes (read from `source`, named in errors) from
+    /// tensors under their checkpoint names.
     pub fn from_tensors(
-        config: Qwen3Config,
         config_json: Value,
+        source: &Path,
         mut t: HashMap<String, Tensor>,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        let (config, vision) = parse_config(&config_json, source)?;
+        let vision = vision
+            .map(|(vc, tokens)| -> Result<Vision> {
+                Ok(Vision {
+                    tower: VisionTower::from_tensors(vc, &mut t, dtype, device)?,
+                    tokens,
+                    processor: ImageProcessorConfig::default(),
+                })
+            })
+            .transpose()?;
+        let prefix = text_prefix(vision.is_some());
+        let mut t: HashMap<String, Tensor> = t
+            .into_iter()
+            .map(|(k, v)| match k.strip_prefix(prefix) {
+                Some(rest) => (format!("model.{rest}"), v),
+                None => (k, v),
+            })
+            .collect();
         let c = &config;
         let (d, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (h, kv) = (c.num_attention_heads, c.num_key_value_heads);
@@ -203,6 +421,7 @@ impl Qwen3 {
             norm,
             lm_head,
             tied,
+            vision,
             dtype,
             device: device.clone(),
         })
@@ -211,16 +430,18 @@ impl Qwen3 {
     /// Every distinct weight under its checkpoint name (cheap handle clones); a tied `lm_head`
     /// is not listed, as transformers leaves it out of the safetensors files.
     pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut out = vec![(
-            "model.embed_tokens.weight".to_string(),
-            self.embed_tokens.clone(),
-        )];
+        let p = self.text_prefix();
+        let mut out = Vec::new();
+        if let Some(v) = &self.vision {
+            out.extend(v.tower.named_parameters());
+        }
+        out.push((format!("{p}embed_tokens.weight"), self.embed_tokens.clone()));
         for (l, layer) in self.layers.iter().enumerate() {
             for (name, t) in layer.named() {
-                out.push((format!("model.layers.{l}.{name}"), t.clone()));
+                out.push((format!("{p}layers.{l}.{name}"), t.clone()));
             }
         }
-        out.push(("model.norm.weight".to_string(), self.norm.clone()));
+        out.push((format!("{p}norm.weight"), self.norm.clone()));
         if !self.tied {
             out.push(("lm_head.weight".to_string(), self.lm_head.clone()));
         }
@@ -238,26 +459,43 @@ impl Qwen3 {
             vars.push((name, var));
         }
         let config_json = std::mem::take(&mut self.config_json);
+        let processor = self.vision.as_ref().map(|v| v.processor.clone());
         *self = Self::from_tensors(
-            self.config.clone(),
             config_json,
+            Path::new("<trainable copy>"),
             tensors,
             self.dtype,
             &self.device,
         )?;
+        if let (Some(v), Some(p)) = (&mut self.vision, processor) {
+            v.processor = p;
+        }
         Ok(vars)
     }
 
-    /// cos/sin tables `[positions.len(), hd]`, computed in f32 then cast to the model dtype.
-    pub(crate) fn rope_tables(&self, positions: &[u32]) -> candle_core::Result<(Tensor, Tensor)> {
+    /// cos/sin tables `[positions.len(), hd]` for `(T, H, W)` positions, computed in f32 then
+    /// cast to the model dtype. Plain RoPE reads the T row; interleaved MRoPE takes frequency
+    /// `i` from H when `i % 3 == 1` and `i < 3·section[1]`, from W when `i % 3 == 2` and
+    /// `i < 3·section[2]`, else from T (so equal rows give plain RoPE).
+    pub(crate) fn rope_tables(
+        &self,
+        positions: &[[u32; 3]],
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let hd = self.config.head_dim;
         let theta = self.config.rope_theta as f32;
         let inv_freq: Vec<f32> = (0..hd / 2)
             .map(|i| 1.0 / theta.powf(2.0 * i as f32 / hd as f32))
             .collect();
+        let axis: Vec<usize> = (0..hd / 2)
+            .map(|i| match self.config.mrope_section {
+                Some([_, h, _]) if i % 3 == 1 && i < 3 * h => 1,
+                Some([_, _, w]) if i % 3 == 2 && i < 3 * w => 2,
+                _ => 0,
+            })
+            .collect();
         let mut emb = Vec::with_capacity(positions.len() * hd);
-        for &p in positions {
-            let freqs = inv_freq.iter().map(|f| p as f32 * f);
+        for p in positions {
+            let freqs = inv_freq.iter().zip(&axis).map(|(f, &a)| p[a] as f32 * f);
             emb.extend(freqs.clone());
             emb.extend(freqs);
         }
@@ -306,20 +544,43 @@ impl Qwen3 {
     /// Final-norm hidden states `[B, S, D]` for right-padded `input_ids` `[B, S]` under causal
     /// attention: a real token only sees earlier positions, so padding after it changes nothing.
     pub fn forward_hidden(&self, input_ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_hidden_with(input_ids, None, None)
+    }
+
+    /// [`Qwen3::forward_hidden`] with per-token `(T, H, W)` positions (`[B·S]`, row after row;
+    /// default `0..S` on every axis) and the images of the batch written over its image tokens.
+    pub(crate) fn forward_hidden_with(
+        &self,
+        input_ids: &Tensor,
+        positions: Option<&[[u32; 3]]>,
+        visual: Option<&VisualInjection>,
+    ) -> candle_core::Result<Tensor> {
         let (b, s) = input_ids.dims2()?;
         let c = &self.config;
         let (h, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let positions: Vec<u32> = (0..s as u32).collect();
-        let (cos, sin) = self.rope_tables(&positions)?;
+        let (cos, sin) = match positions {
+            // Per-row tables [B, S, hd]: they broadcast over the heads like the shared [S, hd].
+            Some(p) => {
+                let (cos, sin) = self.rope_tables(p)?;
+                (cos.reshape((b, s, hd))?, sin.reshape((b, s, hd))?)
+            }
+            None => {
+                let p: Vec<[u32; 3]> = (0..s as u32).map(|i| [i; 3]).collect();
+                self.rope_tables(&p)?
+            }
+        };
         let mask: Vec<f32> = (0..s)
             .flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
             .collect();
         let mask = Tensor::from_vec(mask, (1, 1, s, s), &self.device)?;
         let mut x = self
             .embed_tokens
-            .index_select(&input_ids.flatten_all()?, 0)?
-            .reshape((b, s, c.hidden_size))?;
-        for layer in &self.layers {
+            .index_select(&input_ids.flatten_all()?, 0)?;
+        if let Some(v) = visual {
+            x = v.write_embeds(&x)?;
+        }
+        let mut x = x.reshape((b, s, c.hidden_size))?;
+        for (l, layer) in self.layers.iter().enumerate() {
             let xn = rms_norm(&x, &layer.input_layernorm, c.rms_norm_eps)?;
             let (q, k, v) = self.qkv(layer, &xn, &cos, &sin)?;
             let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
@@ -344,6 +605,11 @@ impl Qwen3 {
                 .reshape((b, s, h * hd))?;
             x = (x + linear(&attn, &layer.o_proj)?)?;
             x = self.mlp_block(layer, &x)?;
+            if let Some(v) = visual.filter(|v| l < v.deepstack.len()) {
+                x = v
+                    .add_deepstack(&x.reshape((b * s, c.hidden_size))?, l)?
+                    .reshape((b, s, c.hidden_size))?;
+            }
         }
         rms_norm(&x, &self.norm, c.rms_norm_eps)
     }
@@ -351,6 +617,29 @@ impl Qwen3 {
     /// Logits `[B, S, vocab]` for right-padded `input_ids` `[B, S]` (training path).
     pub fn forward(&self, input_ids: &Tensor) -> candle_core::Result<Tensor> {
         linear(&self.forward_hidden(input_ids)?, &self.lm_head)
+    }
+
+    /// Logits `[S, vocab]` of one sequence whose image tokens take `images`, in order (the
+    /// training path; Qwen3-VL, or a text model when `images` is empty).
+    pub fn forward_with_images(
+        &self,
+        ids: &[u32],
+        images: &[Arc<ProcessedImage>],
+    ) -> Result<Tensor> {
+        self.validate_ids(ids, "input")?;
+        self.validate_images(ids, images, "input")?;
+        let input = Tensor::from_slice(ids, (1, ids.len()), &self.device)?;
+        let hidden = match (&self.vision, images.is_empty()) {
+            (Some(v), false) => {
+                let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+                let positions = v.tokens.rope_index(ids, &grids)?.0;
+                let imgs: Vec<&ProcessedImage> = images.iter().map(|i| &**i).collect();
+                let visual = VisualInjection::new(v, ids, &imgs, &self.device)?;
+                self.forward_hidden_with(&input, Some(&positions), Some(&visual))?
+            }
+            _ => self.forward_hidden(&input)?,
+        };
+        Ok(linear(&hidden.squeeze(0)?, &self.lm_head)?)
     }
 
     /// Checks that every id is inside the vocabulary.
@@ -375,6 +664,27 @@ impl Qwen3 {
             )));
         }
         Ok(())
+    }
+
+    /// Checks that `images` can be placed at the image tokens of `ids`: the model has a vision
+    /// tower, and the image tokens come in runs of each image's token count.
+    pub fn validate_images(
+        &self,
+        ids: &[u32],
+        images: &[Arc<ProcessedImage>],
+        what: &str,
+    ) -> Result<()> {
+        let context = |e: ModelError| ModelError::InvalidInput(format!("{what}: {e}"));
+        match &self.vision {
+            None if images.is_empty() => Ok(()),
+            None => Err(ModelError::InvalidInput(format!(
+                "{what}: the input has images, but the model has no vision tower (not a Qwen3-VL checkpoint)"
+            ))),
+            Some(v) => {
+                let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+                v.tokens.rope_index(ids, &grids).map(|_| ()).map_err(context)
+            }
+        }
     }
 
     /// Per-token log-probabilities of each request's response, in request order. Requests are
@@ -416,6 +726,7 @@ impl Qwen3 {
                 .copied()
                 .collect();
             self.validate_ids(&ids, &format!("request {i}"))?;
+            self.validate_images(&ids, &r.images, &format!("request {i}"))?;
         }
         let (mut out, mut entropies) = (Vec::with_capacity(requests.len()), Vec::new());
         let mut start = 0;
@@ -495,8 +806,32 @@ impl Qwen3 {
                 0,
             );
         }
-        let input = Tensor::from_vec(ids, (batch.len(), longest), &self.device)?;
-        let hidden = self.forward_hidden(&input)?;
+        let hidden = match self
+            .vision
+            .as_ref()
+            .filter(|_| batch.iter().any(|r| !r.images.is_empty()))
+        {
+            None => {
+                let input = Tensor::from_vec(ids, (batch.len(), longest), &self.device)?;
+                self.forward_hidden(&input)?
+            }
+            Some(vision) => {
+                let mut positions = Vec::with_capacity(ids.len());
+                for (b, r) in batch.iter().enumerate() {
+                    let seq = &ids[b * longest..][..r.prompt_ids.len() + r.response_ids.len()];
+                    let grids: Vec<[usize; 3]> = r.images.iter().map(|i| i.grid_thw).collect();
+                    positions.extend(vision.tokens.rope_index(seq, &grids)?.0);
+                    positions.resize((b + 1) * longest, [0; 3]);
+                }
+                let images: Vec<&ProcessedImage> = batch
+                    .iter()
+                    .flat_map(|r| r.images.iter().map(|i| &**i))
+                    .collect();
+                let visual = VisualInjection::new(vision, &ids, &images, &self.device)?;
+                let input = Tensor::from_vec(ids, (batch.len(), longest), &self.device)?;
+                self.forward_hidden_with(&input, Some(&positions), Some(&visual))?
+            }
+        };
         let mut rows = Vec::with_capacity(batch.len());
         let (mut targets, mut temps) = (Vec::new(), Vec::new());
         for (b, r) in batch.iter().enumerate() {
@@ -660,7 +995,7 @@ impl Qwen3 {
                 t.insert(format!("model.layers.{l}.{name}"), ones(n)?);
             }
         }
-        Self::from_tensors(config, config_json, t, dtype, device)
+        Self::from_tensors(config_json, Path::new("<random init>"), t, dtype, device)
     }
 }
 
@@ -693,6 +1028,11 @@ impl Qwen3 {
             norm: d(&self.norm),
             lm_head: d(&self.lm_head),
             tied: self.tied,
+            vision: self.vision.as_ref().map(|v| Vision {
+                tower: v.tower.map_weights(d),
+                tokens: v.tokens,
+                processor: v.processor.clone(),
+            }),
             dtype: self.dtype,
             device: self.device.clone(),
         }

@@ -18,6 +18,7 @@ fn requests() -> (Vec<ScoreRequest>, Vec<Vec<f64>>) {
             prompt_ids: ids(&c["prompt_ids"]),
             response_ids: ids(&c["response_ids"]),
             temperature: c.get("temperature").and_then(Value::as_f64).unwrap_or(1.0),
+            images: Vec::new(),
         })
         .collect();
     (
@@ -187,8 +188,8 @@ fn bf16_checkpoint_loads_and_scores_close_to_f32() {
         tensors.insert(name, t.to_dtype(DType::BF16).unwrap());
     }
     let bf16 = Qwen3::from_tensors(
-        model.config.clone(),
         model.config_json.clone(),
+        std::path::Path::new("bf16"),
         tensors,
         DType::BF16,
         &Device::Cpu,
@@ -255,6 +256,7 @@ fn bad_ids_are_errors_not_panics() {
         prompt_ids: vec![1, 5000],
         response_ids: vec![2],
         temperature: 1.0,
+        images: Vec::new(),
     };
     let e = model.score_batch(&[bad_vocab]).unwrap_err().to_string();
     assert!(e.contains("5000") && e.contains("vocabulary"), "{e}");
@@ -262,6 +264,7 @@ fn bad_ids_are_errors_not_panics() {
         prompt_ids: vec![1; 5000],
         response_ids: vec![2],
         temperature: 1.0,
+        images: Vec::new(),
     };
     let e = model.score_batch(&[too_long]).unwrap_err().to_string();
     assert!(e.contains("4096"), "{e}");
@@ -269,6 +272,7 @@ fn bad_ids_are_errors_not_panics() {
         prompt_ids: vec![],
         response_ids: vec![2],
         temperature: 1.0,
+        images: Vec::new(),
     };
     assert!(model.score_batch(&[empty]).is_err());
 }

@@ -120,6 +120,7 @@ fn rollout_logprobs_match_the_trainers_recompute() {
                 prompt_ids: p.clone(),
                 response_ids: c.response_ids.clone(),
                 temperature: 0.8,
+                images: Vec::new(),
             });
             rollout.push(c.logprobs.clone());
         }

@@ -52,6 +52,7 @@ pub fn load_examples(
                     response_ids: full[prompt_ids.len()..].to_vec(),
                     prompt_ids,
                     temperature: 1.0,
+                    images: Vec::new(),
                 });
             }
         }

@@ -50,6 +50,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
                 prompt_ids: prompt_ids(&line.fields, tok, &chat)?,
                 response_ids: response_ids(&line.fields, tok)?,
                 temperature,
+                images: Vec::new(),
             };
             let all: Vec<u32> = request
                 .prompt_ids
