@@ -687,6 +687,49 @@ impl Qwen3 {
         }
     }
 
+    /// Loads and processes `sources` with the checkpoint's image processor.
+    pub fn prepare_images(
+        &self,
+        sources: &[crate::image::ImageSource],
+    ) -> Result<Vec<Arc<ProcessedImage>>> {
+        if sources.is_empty() {
+            return Ok(Vec::new());
+        }
+        let vision = self.vision.as_ref().ok_or_else(|| {
+            ModelError::InvalidInput(
+                "the input has images, but the model has no vision tower (not a Qwen3-VL checkpoint)".into(),
+            )
+        })?;
+        sources
+            .iter()
+            .map(|s| {
+                let img = s.load()?;
+                crate::image::process(&img, &vision.processor)
+                    .map(Arc::new)
+                    .map_err(|e| ModelError::InvalidInput(format!("{}: {e}", s.describe())))
+            })
+            .collect()
+    }
+
+    /// Prompt ids with each image's single `<|image_pad|>` expanded to its token count (ids
+    /// already expanded, or without images, come back unchanged).
+    pub fn expand_image_pads(
+        &self,
+        ids: &[u32],
+        images: &[Arc<ProcessedImage>],
+    ) -> Result<Vec<u32>> {
+        match &self.vision {
+            _ if images.is_empty() => Ok(ids.to_vec()),
+            None => self
+                .validate_images(ids, images, "prompt")
+                .map(|_| ids.to_vec()),
+            Some(v) => {
+                let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+                v.tokens.expand_image_pads(ids, &grids)
+            }
+        }
+    }
+
     /// Per-token log-probabilities of each request's response, in request order. Requests are
     /// batched (right-padded) through the training path, so these are the numbers training sees.
     pub fn score_batch(&self, requests: &[ScoreRequest]) -> Result<Vec<Vec<f32>>> {

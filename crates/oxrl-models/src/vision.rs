@@ -81,7 +81,9 @@ impl VisionConfig {
                 .and_then(Value::as_f64)
                 .unwrap_or(10_000.0),
         };
-        if c.hidden_size % c.num_heads != 0 || (c.hidden_size / c.num_heads) % 4 != 0 {
+        if !c.hidden_size.is_multiple_of(c.num_heads)
+            || !(c.hidden_size / c.num_heads).is_multiple_of(4)
+        {
             return Err(err(
                 "num_heads",
                 "a divisor of hidden_size leaving a head size divisible by 4",

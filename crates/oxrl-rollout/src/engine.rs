@@ -3,6 +3,8 @@
 //! it over HTTP without the trainer noticing.
 
 use crate::sampler::SamplerConfig;
+use oxrl_models::ProcessedImage;
+use std::sync::Arc;
 
 /// How to sample, shared by every prompt of one [`Engine::generate`] call.
 #[derive(Debug, Clone, PartialEq)]
@@ -76,12 +78,27 @@ pub enum EngineError {
 
 pub type Result<T> = std::result::Result<T, EngineError>;
 
+/// The images of each prompt of a [`Engine::generate_with_images`] call, in the order their
+/// (already expanded) image tokens appear.
+pub type PromptImages = [Vec<Arc<ProcessedImage>>];
+
 /// A generation backend.
 pub trait Engine {
-    /// `params.n` completions for each prompt, as `result[prompt][sample]`.
+    /// `params.n` completions for each prompt, as `result[prompt][sample]`; `images[i]` are
+    /// prompt `i`'s images (vision-language models), or `images` is empty for text prompts.
+    fn generate_with_images(
+        &mut self,
+        prompts: &[Vec<u32>],
+        images: &PromptImages,
+        params: &SamplingParams,
+    ) -> Result<Vec<Vec<Completion>>>;
+
+    /// [`Engine::generate_with_images`] for text prompts.
     fn generate(
         &mut self,
         prompts: &[Vec<u32>],
         params: &SamplingParams,
-    ) -> Result<Vec<Vec<Completion>>>;
+    ) -> Result<Vec<Vec<Completion>>> {
+        self.generate_with_images(prompts, &[], params)
+    }
 }

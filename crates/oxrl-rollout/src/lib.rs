@@ -6,6 +6,6 @@ pub mod engine;
 pub mod local;
 pub mod sampler;
 
-pub use engine::{Completion, Engine, EngineError, FinishReason, SamplingParams};
+pub use engine::{Completion, Engine, EngineError, FinishReason, PromptImages, SamplingParams};
 pub use local::LocalEngine;
 pub use sampler::{SamplerConfig, SamplerScratch};

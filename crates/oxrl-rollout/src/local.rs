@@ -4,9 +4,11 @@
 //! samples of a prompt then start from copies of its cache) or decodes one token for every active
 //! sequence in one forward. Finished sequences leave and free room for waiting prompts.
 
-use crate::engine::{Completion, Engine, EngineError, FinishReason, Result, SamplingParams};
+use crate::engine::{
+    Completion, Engine, EngineError, FinishReason, PromptImages, Result, SamplingParams,
+};
 use crate::sampler::SamplerScratch;
-use oxrl_models::{KvCache, Qwen3, Tokenizer, VocabSlices};
+use oxrl_models::{KvCache, ProcessedImage, Qwen3, Tokenizer, VocabSlices};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -115,7 +117,12 @@ impl LocalEngine {
         self.progress = Some(Box::new(f));
     }
 
-    fn validate(&self, prompts: &[Vec<u32>], params: &SamplingParams) -> Result<()> {
+    fn validate(
+        &self,
+        prompts: &[Vec<u32>],
+        images: &PromptImages,
+        params: &SamplingParams,
+    ) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         let s = &params.sampler;
         if params.n == 0 {
@@ -143,6 +150,17 @@ impl LocalEngine {
                 return bad(format!("prompt {i} is empty"));
             }
             self.model.validate_ids(p, &format!("prompt {i}"))?;
+            if let Some(imgs) = images.get(i) {
+                self.model
+                    .validate_images(p, imgs, &format!("prompt {i}"))?;
+            }
+        }
+        if !images.is_empty() && images.len() != prompts.len() {
+            return bad(format!(
+                "{} image lists for {} prompts: give one per prompt (or none)",
+                images.len(),
+                prompts.len()
+            ));
         }
         Ok(())
     }
@@ -194,12 +212,13 @@ impl LocalEngine {
 }
 
 impl Engine for LocalEngine {
-    fn generate(
+    fn generate_with_images(
         &mut self,
         prompts: &[Vec<u32>],
+        images: &PromptImages,
         params: &SamplingParams,
     ) -> Result<Vec<Vec<Completion>>> {
-        self.validate(prompts, params)?;
+        self.validate(prompts, images, params)?;
         let model = self.model.clone();
         let n = params.n;
         let mut token_ids = params.stop_token_ids.clone();
@@ -235,8 +254,15 @@ impl Engine for LocalEngine {
             if !admit.is_empty() {
                 let mut caches: Vec<KvCache> = admit.iter().map(|_| model.new_cache()).collect();
                 let chunks: Vec<&[u32]> = admit.iter().map(|&p| prompts[p].as_slice()).collect();
-                let logits =
-                    model.forward_cached(&chunks, &mut caches.iter_mut().collect::<Vec<_>>())?;
+                let chunk_images: Vec<&[Arc<ProcessedImage>]> = admit
+                    .iter()
+                    .map(|&p| images.get(p).map_or(&[][..], Vec::as_slice))
+                    .collect();
+                let logits = model.forward_cached_with(
+                    &chunks,
+                    &chunk_images,
+                    &mut caches.iter_mut().collect::<Vec<_>>(),
+                )?;
                 let mut fresh = Vec::with_capacity(admit.len() * n);
                 let mut rows = Vec::with_capacity(admit.len() * n);
                 for (row, (&prompt, cache)) in admit.iter().zip(caches).enumerate() {

@@ -1,13 +1,15 @@
 //! `oxrl generate`: sample continuations with the batched KV-cache engine.
 
-use crate::input::{chat_ids, prompt_ids, read_jsonl, reject_images, ChatOptions};
+use crate::input::{prompt_with_images, read_jsonl, ChatOptions};
 use crate::load::{load, DTypeArg};
 use crate::output::write_jsonl;
 use anyhow::{bail, Context, Result};
+use oxrl_models::ProcessedImage;
 use oxrl_rollout::{Engine, LocalEngine, SamplerConfig, SamplingParams};
 use serde_json::{json, Value};
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["prompt", "input"])))]
@@ -18,9 +20,14 @@ pub struct GenerateArgs {
     /// One prompt; the completions are printed to the terminal.
     #[arg(long)]
     prompt: Option<String>,
-    /// JSONL of prompts: `prompt_ids` | `prompt` (text) | `messages` (chat) per line.
+    /// JSONL of prompts: `prompt_ids` | `prompt` (text) | `messages` (chat) per line, optional
+    /// `images` (paths relative to this file, or data URLs).
     #[arg(long)]
     input: Option<PathBuf>,
+    /// An image for `--prompt` (repeatable; Qwen3-VL): placed before the text in the user
+    /// message, so it needs `--chat`.
+    #[arg(long = "image", requires = "prompt")]
+    images: Vec<PathBuf>,
     /// Where to write the completions (JSONL, one line per sample); stdout when absent.
     #[arg(long)]
     output: Option<PathBuf>,
@@ -67,34 +74,47 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let chat = ChatOptions {
         enable_thinking: args.enable_thinking,
     };
-    let prompts: Vec<Vec<u32>> = match (&lines, &args.prompt) {
-        (Some(lines), _) => {
-            let path = args
-                .input
-                .as_ref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default();
-            lines
-                .iter()
-                .map(|line| {
-                    reject_images(&line.fields)
-                        .and_then(|()| prompt_ids(&line.fields, tok, &chat))
-                        .with_context(|| format!("{path}:{}", line.number))
-                })
-                .collect::<Result<_>>()?
-        }
-        (None, Some(text)) if args.chat => {
-            vec![
-                chat_ids(&json!([{"role": "user", "content": text}]), tok, &chat)
-                    .context("--prompt")?,
-            ]
-        }
-        (None, Some(text)) => match tok {
-            Some(t) => vec![t.encode(text)?],
-            None => bail!("--prompt is text, but the model has no tokenizer.json"),
-        },
-        (None, None) => bail!("give --prompt or --input"),
-    };
+    let (prompts, images): (Vec<Vec<u32>>, Vec<Vec<Arc<ProcessedImage>>>) =
+        match (&lines, &args.prompt) {
+            (Some(lines), _) => {
+                let path = args.input.clone().unwrap_or_default();
+                let base = path.parent().unwrap_or(Path::new("."));
+                lines
+                    .iter()
+                    .map(|line| {
+                        prompt_with_images(&line.fields, tok, &chat, &loaded.model, base)
+                            .with_context(|| format!("{}:{}", path.display(), line.number))
+                    })
+                    .collect::<Result<Vec<_>>>()?
+                    .into_iter()
+                    .unzip()
+            }
+            (None, Some(text)) => {
+                if !args.images.is_empty() && !args.chat {
+                    bail!("--image needs --chat: the chat template places the image in the prompt");
+                }
+                let mut fields = serde_json::Map::new();
+                if args.chat {
+                    let mut content: Vec<Value> = args
+                        .images
+                        .iter()
+                        .map(|p| json!({"type": "image", "image": p.display().to_string()}))
+                        .collect();
+                    content.push(json!({"type": "text", "text": text}));
+                    fields.insert(
+                        "messages".into(),
+                        json!([{"role": "user", "content": content}]),
+                    );
+                } else {
+                    fields.insert("prompt".into(), Value::String(text.clone()));
+                }
+                let (ids, imgs) =
+                    prompt_with_images(&fields, tok, &chat, &loaded.model, Path::new("."))
+                        .context("--prompt")?;
+                (vec![ids], vec![imgs])
+            }
+            (None, None) => bail!("give --prompt or --input"),
+        };
     let params = SamplingParams {
         n: args.n,
         max_new_tokens: args.max_new_tokens,
@@ -125,7 +145,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             }
         });
     }
-    let results = engine.generate(&prompts, &params)?;
+    let results = engine.generate_with_images(&prompts, &images, &params)?;
     if args.prompt.is_some() && args.output.is_none() {
         for (j, c) in results[0].iter().enumerate() {
             if args.n > 1 {

@@ -3,9 +3,11 @@
 //! rendered with the model's chat template.
 
 use anyhow::{anyhow, bail, Context, Result};
-use oxrl_models::Tokenizer;
+use oxrl_models::image::prompt_image_sources;
+use oxrl_models::{ProcessedImage, Qwen3, Tokenizer};
 use serde_json::{Map, Value};
 use std::path::Path;
+use std::sync::Arc;
 
 /// One non-blank input line: its 1-based number and its object.
 pub struct Line {
@@ -129,12 +131,24 @@ pub fn response_ids(
     }
 }
 
-/// Images on a line are for vision-language models, which this build does not load yet.
-pub fn reject_images(fields: &Map<String, Value>) -> Result<()> {
-    match fields.get("images") {
-        Some(Value::Array(a)) if !a.is_empty() => {
-            bail!("`images`: this model is text-only (Qwen3); images need a Qwen3-VL checkpoint")
-        }
-        _ => Ok(()),
-    }
+/// A line's prompt ids with its images (Qwen3-VL): the images from `images` (paths relative to
+/// `base`, the input file's directory, or data URLs) or from the image items of `messages`,
+/// processed with the checkpoint's image processor; each image's single `<|image_pad|>` in the
+/// prompt is expanded to the image's token count.
+pub fn prompt_with_images(
+    fields: &Map<String, Value>,
+    tokenizer: Option<&Tokenizer>,
+    chat: &ChatOptions,
+    model: &Qwen3,
+    base: &Path,
+) -> Result<(Vec<u32>, Vec<Arc<ProcessedImage>>)> {
+    let messages = fields
+        .get("messages")
+        .or_else(|| fields.get("prompt").filter(|p| p.is_array()));
+    let sources =
+        prompt_image_sources(fields.get("images"), messages, base).map_err(|e| anyhow!(e))?;
+    let images = model.prepare_images(&sources)?;
+    let ids = prompt_ids(fields, tokenizer, chat)?;
+    let ids = model.expand_image_pads(&ids, &images)?;
+    Ok((ids, images))
 }

@@ -1,7 +1,7 @@
 //! `oxrl score`: per-token log-probabilities of responses, through the same batched training-path
 //! forward the trainer uses.
 
-use crate::input::{prompt_ids, read_jsonl, reject_images, response_ids, ChatOptions};
+use crate::input::{prompt_with_images, read_jsonl, response_ids, ChatOptions};
 use crate::load::{load, DTypeArg};
 use crate::output::write_jsonl;
 use anyhow::{anyhow, Context, Result};
@@ -14,7 +14,8 @@ pub struct ScoreArgs {
     /// Model directory or Hugging Face hub id.
     #[arg(long)]
     model: String,
-    /// JSONL: `prompt_ids` | `prompt` | `messages`, `response_ids` | `response`, optional `temperature`.
+    /// JSONL: `prompt_ids` | `prompt` | `messages`, `response_ids` | `response`, optional
+    /// `temperature`, optional `images` (paths relative to this file, or data URLs).
     #[arg(long)]
     input: PathBuf,
     /// Where to write the results (JSONL, one line per input line); stdout when absent.
@@ -34,11 +35,11 @@ pub fn run(args: ScoreArgs) -> Result<()> {
     let chat = ChatOptions {
         enable_thinking: args.enable_thinking,
     };
+    let base = args.input.parent().unwrap_or(std::path::Path::new("."));
     let mut requests = Vec::with_capacity(lines.len());
     for line in &lines {
         let at = || format!("{}:{}", args.input.display(), line.number);
         let request = (|| -> Result<ScoreRequest> {
-            reject_images(&line.fields)?;
             let temperature = match line.fields.get("temperature") {
                 None => 1.0,
                 Some(t) => t
@@ -46,11 +47,13 @@ pub fn run(args: ScoreArgs) -> Result<()> {
                     .filter(|t| *t > 0.0)
                     .ok_or_else(|| anyhow!("`temperature`: expected a positive number, got {t}"))?,
             };
+            let (prompt_ids, images) =
+                prompt_with_images(&line.fields, tok, &chat, &loaded.model, base)?;
             let request = ScoreRequest {
-                prompt_ids: prompt_ids(&line.fields, tok, &chat)?,
+                prompt_ids,
                 response_ids: response_ids(&line.fields, tok)?,
                 temperature,
-                images: Vec::new(),
+                images,
             };
             let all: Vec<u32> = request
                 .prompt_ids
@@ -59,6 +62,9 @@ pub fn run(args: ScoreArgs) -> Result<()> {
                 .copied()
                 .collect();
             loaded.model.validate_ids(&all, "prompt + response")?;
+            loaded
+                .model
+                .validate_images(&all, &request.images, "prompt + response")?;
             if request.prompt_ids.is_empty() || request.response_ids.is_empty() {
                 return Err(anyhow!(
                     "the prompt and the response each need at least one token"

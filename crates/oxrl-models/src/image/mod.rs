@@ -328,6 +328,48 @@ impl ImageSource {
         Self::Path(base.join(text))
     }
 
+    /// An image reference from JSON: a string (a path relative to `base`, a `data:` URL), or an
+    /// object as datasets store images — `{"bytes": base64 or a byte list, "path"}`, a chat
+    /// content item `{"type": "image", "image": ...}` or `{"image_url": {"url": ...}}`.
+    pub fn from_json(v: &Value, base: &Path) -> std::result::Result<Self, String> {
+        match v {
+            Value::String(s) => Ok(Self::from_reference(s, base)),
+            Value::Object(o) => {
+                match o.get("bytes") {
+                    Some(Value::String(b)) => return Ok(Self::Base64(b.clone())),
+                    Some(Value::Array(a)) => {
+                        return a
+                            .iter()
+                            .map(|x| x.as_u64().filter(|&b| b < 256).map(|b| b as u8))
+                            .collect::<Option<Vec<u8>>>()
+                            .map(Self::Bytes)
+                            .ok_or_else(|| "`bytes`: expected a list of byte values".into())
+                    }
+                    _ => {}
+                }
+                for key in ["image", "path", "url"] {
+                    if let Some(inner) = o.get(key).filter(|x| !x.is_null()) {
+                        return Self::from_json(inner, base);
+                    }
+                }
+                match o.get("image_url") {
+                    Some(Value::String(u)) => Ok(Self::from_reference(u, base)),
+                    Some(Value::Object(u)) => u
+                        .get("url")
+                        .and_then(Value::as_str)
+                        .map(|s| Self::from_reference(s, base))
+                        .ok_or_else(|| "`image_url`: expected {\"url\": ...}".into()),
+                    _ => {
+                        Err("an image object needs `bytes`, `path`, `image` or `image_url`".into())
+                    }
+                }
+            }
+            other => Err(format!(
+                "expected an image path, data URL or object, got {other}"
+            )),
+        }
+    }
+
     /// What an error about this image names.
     pub fn describe(&self) -> String {
         match self {
@@ -373,10 +415,81 @@ fn decode_base64(text: &str) -> std::result::Result<Vec<u8>, String> {
         .map_err(|e| format!("invalid base64: {e}"))
 }
 
+/// The images a prompt refers to, in order: `images` (a list, when given) supplies them;
+/// otherwise the sources of the image items in chat `messages` contents do.
+pub fn prompt_image_sources(
+    images: Option<&Value>,
+    messages: Option<&Value>,
+    base: &Path,
+) -> std::result::Result<Vec<ImageSource>, String> {
+    if let Some(list) = images.filter(|v| !v.is_null()) {
+        let list = list
+            .as_array()
+            .ok_or("`images`: expected a list of images")?;
+        return list
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                ImageSource::from_json(v, base).map_err(|e| format!("`images[{i}]`: {e}"))
+            })
+            .collect();
+    }
+    let mut out = Vec::new();
+    for message in messages.and_then(Value::as_array).into_iter().flatten() {
+        for item in message
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let is_image = item.get("type").and_then(Value::as_str) == Some("image")
+                || item.get("image").is_some()
+                || item.get("image_url").is_some();
+            if is_image {
+                out.push(ImageSource::from_json(item, base).map_err(|e| {
+                    format!(
+                        "an image item of `messages` has no source ({e}); list them in `images`"
+                    )
+                })?);
+            }
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn image_references_in_every_form_datasets_use() {
+        let base = Path::new("/data");
+        let src = |v: Value| ImageSource::from_json(&v, base).unwrap();
+        assert_eq!(src(json!("a.png")), ImageSource::Path("/data/a.png".into()));
+        assert_eq!(
+            src(json!({"bytes": [1, 2], "path": "x.png"})),
+            ImageSource::Bytes(vec![1, 2])
+        );
+        assert_eq!(
+            src(json!({"bytes": null, "path": "x.png"})),
+            ImageSource::Path("/data/x.png".into())
+        );
+        assert_eq!(
+            src(json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}})),
+            ImageSource::Base64("data:image/png;base64,AA==".into())
+        );
+        let messages = json!([{"role": "user", "content": [
+            {"type": "image", "image": "b.png"}, {"type": "text", "text": "hi"}]}]);
+        let found = prompt_image_sources(None, Some(&messages), base).unwrap();
+        assert_eq!(found, vec![ImageSource::Path("/data/b.png".into())]);
+        let listed = prompt_image_sources(Some(&json!(["c.png"])), Some(&messages), base).unwrap();
+        assert_eq!(listed, vec![ImageSource::Path("/data/c.png".into())]);
+        let bare = json!([{"role": "user", "content": [{"type": "image"}]}]);
+        assert!(prompt_image_sources(None, Some(&bare), base)
+            .unwrap_err()
+            .contains("images"));
+    }
 
     #[test]
     fn smart_resize_matches_the_spec_examples() {
