@@ -18,5 +18,5 @@ pub use error::{ModelError, Result};
 pub use image::{ImageProcessorConfig, ImageSource, ProcessedImage};
 pub use kv_cache::{KvCache, VocabSlices};
 pub use mrope::VisionTokens;
-pub use qwen3::{BatchLogprobs, Entropy, Qwen3, ScoreRequest, Vision};
+pub use qwen3::{BatchLogprobs, Entropy, ImagePrompting, Qwen3, ScoreRequest, Vision};
 pub use tokenizer::{eos_token_ids, Tokenizer};

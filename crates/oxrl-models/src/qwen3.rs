@@ -65,6 +65,8 @@ pub struct Vision {
     pub tower: VisionTower,
     pub tokens: VisionTokens,
     pub processor: ImageProcessorConfig,
+    /// Leave the tower's weights out of [`Qwen3::make_trainable`] (`[model] freeze_vision`).
+    pub frozen: bool,
 }
 
 pub struct Qwen3 {
@@ -147,6 +149,70 @@ fn parse_config(
         });
     }
     Ok((config, Some((vision, tokens))))
+}
+
+/// What turning images into prompt input takes — the image processor and the vision token
+/// ids — without the weights, so datasets can be prepared (and rejected) before a model loads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImagePrompting {
+    pub tokens: VisionTokens,
+    pub processor: ImageProcessorConfig,
+}
+
+impl ImagePrompting {
+    /// Reads `config.json` and `preprocessor_config.json` of a checkpoint directory; `None`
+    /// when it is a text-only model.
+    pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let v: Value = serde_json::from_str(&text).map_err(|source| ModelError::Json {
+            path: path.clone(),
+            source,
+        })?;
+        let Some((_, tokens)) = parse_config(&v, &path)?.1 else {
+            return Ok(None);
+        };
+        let pre = dir.join("preprocessor_config.json");
+        let processor = match pre.exists() {
+            true => ImageProcessorConfig::from_file(&pre)?,
+            false => ImageProcessorConfig::default(),
+        };
+        Ok(Some(Self { tokens, processor }))
+    }
+
+    /// Loads and processes `sources`; an error when there are images but no way to take them.
+    pub fn prepare_with(
+        this: Option<&Self>,
+        sources: &[crate::image::ImageSource],
+    ) -> Result<Vec<Arc<ProcessedImage>>> {
+        if sources.is_empty() {
+            return Ok(Vec::new());
+        }
+        let this = this.ok_or_else(|| {
+            ModelError::InvalidInput(
+                "the input has images, but the model has no vision tower (not a Qwen3-VL checkpoint)"
+                    .into(),
+            )
+        })?;
+        sources
+            .iter()
+            .map(|s| {
+                let img = s.load()?;
+                crate::image::process(&img, &this.processor)
+                    .map(Arc::new)
+                    .map_err(|e| ModelError::InvalidInput(format!("{}: {e}", s.describe())))
+            })
+            .collect()
+    }
+
+    /// Expands each image's single pad in `ids` (see [`VisionTokens::expand_image_pads`]).
+    pub fn expand(&self, ids: &[u32], images: &[Arc<ProcessedImage>]) -> Result<Vec<u32>> {
+        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+        self.tokens.expand_image_pads(ids, &grids)
+    }
 }
 
 /// Checkpoint prefix of the text decoder's weights: `model.language_model.` in Qwen3-VL.
@@ -374,6 +440,7 @@ impl Qwen3 {
                     tower: VisionTower::from_tensors(vc, &mut t, dtype, device)?,
                     tokens,
                     processor: ImageProcessorConfig::default(),
+                    frozen: false,
                 })
             })
             .transpose()?;
@@ -449,17 +516,26 @@ impl Qwen3 {
     }
 
     /// Turns every weight into a candle `Var` so a backward pass reaches it (a tied `lm_head`
-    /// shares the embedding's var); returns the vars by checkpoint name.
+    /// shares the embedding's var; a frozen vision tower stays constant); returns the vars by
+    /// checkpoint name.
     pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
+        let frozen = self.vision.as_ref().is_some_and(|v| v.frozen);
         let mut vars = Vec::new();
         let mut tensors = HashMap::new();
         for (name, t) in self.named_parameters() {
+            if frozen && name.starts_with(crate::vision::VISION_PREFIX) {
+                tensors.insert(name, t);
+                continue;
+            }
             let var = Var::from_tensor(&t)?;
             tensors.insert(name.clone(), var.as_tensor().clone());
             vars.push((name, var));
         }
         let config_json = std::mem::take(&mut self.config_json);
-        let processor = self.vision.as_ref().map(|v| v.processor.clone());
+        let processor = self
+            .vision
+            .as_ref()
+            .map(|v| (v.processor.clone(), v.frozen));
         *self = Self::from_tensors(
             config_json,
             Path::new("<trainable copy>"),
@@ -467,8 +543,9 @@ impl Qwen3 {
             self.dtype,
             &self.device,
         )?;
-        if let (Some(v), Some(p)) = (&mut self.vision, processor) {
+        if let (Some(v), Some((p, frozen))) = (&mut self.vision, processor) {
             v.processor = p;
+            v.frozen = frozen;
         }
         Ok(vars)
     }
@@ -687,28 +764,20 @@ impl Qwen3 {
         }
     }
 
+    /// How this model's prompts take images (`None` for a text-only Qwen3).
+    pub fn image_prompting(&self) -> Option<ImagePrompting> {
+        self.vision.as_ref().map(|v| ImagePrompting {
+            tokens: v.tokens,
+            processor: v.processor.clone(),
+        })
+    }
+
     /// Loads and processes `sources` with the checkpoint's image processor.
     pub fn prepare_images(
         &self,
         sources: &[crate::image::ImageSource],
     ) -> Result<Vec<Arc<ProcessedImage>>> {
-        if sources.is_empty() {
-            return Ok(Vec::new());
-        }
-        let vision = self.vision.as_ref().ok_or_else(|| {
-            ModelError::InvalidInput(
-                "the input has images, but the model has no vision tower (not a Qwen3-VL checkpoint)".into(),
-            )
-        })?;
-        sources
-            .iter()
-            .map(|s| {
-                let img = s.load()?;
-                crate::image::process(&img, &vision.processor)
-                    .map(Arc::new)
-                    .map_err(|e| ModelError::InvalidInput(format!("{}: {e}", s.describe())))
-            })
-            .collect()
+        ImagePrompting::prepare_with(self.image_prompting().as_ref(), sources)
     }
 
     /// Prompt ids with each image's single `<|image_pad|>` expanded to its token count (ids
@@ -718,15 +787,12 @@ impl Qwen3 {
         ids: &[u32],
         images: &[Arc<ProcessedImage>],
     ) -> Result<Vec<u32>> {
-        match &self.vision {
+        match self.image_prompting() {
             _ if images.is_empty() => Ok(ids.to_vec()),
             None => self
                 .validate_images(ids, images, "prompt")
                 .map(|_| ids.to_vec()),
-            Some(v) => {
-                let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
-                v.tokens.expand_image_pads(ids, &grids)
-            }
+            Some(p) => p.expand(ids, images),
         }
     }
 
@@ -1075,6 +1141,7 @@ impl Qwen3 {
                 tower: v.tower.map_weights(d),
                 tokens: v.tokens,
                 processor: v.processor.clone(),
+                frozen: v.frozen,
             }),
             dtype: self.dtype,
             device: self.device.clone(),

@@ -35,11 +35,13 @@ macro_rules! keys {
 pub const KEYS: &[KeyDoc] = keys! {
     "model" "path" = "(required)" : "policy checkpoint: a directory or a hub id";
     "model" "dtype" = "\"f32\"" : "compute dtype: f32, bf16 or f16";
+    "model" "freeze_vision" = "false" : "Qwen3-VL: keep the vision tower's weights fixed (train the language model only)";
     "reference" "path" = "the policy's initial weights" : "reference model for the KL term (loaded only when kl_coef > 0)";
     "data" "train_files" = "(required unless --rollouts)" : "JSONL or Parquet dataset(s), paths relative to this file";
     "data" "val_files" = "none" : "validation dataset(s), decoded greedily and scored before training, every eval_every steps and at the end";
     "data" "prompt_key" = "\"prompt\"" : "column with the prompt: a string or chat messages";
     "data" "answer_key" = "\"answer\"" : "column with the ground truth passed to rewards";
+    "data" "image_key" = "\"images\"" : "column with a row's images (Qwen3-VL): paths relative to the dataset file, data URLs, or {bytes, path} cells";
     "data" "max_prompt_length" = "1024" : "prompt tokens after the chat template";
     "data" "overlong_prompts" = "\"filter\"" : "\"filter\" drops longer prompts, \"error\" stops the run";
     "data" "enable_thinking" = "template default" : "enable_thinking passed to the chat template";
@@ -119,6 +121,7 @@ pub struct ConfigError {
 struct RawModel {
     path: Option<String>,
     dtype: Option<String>,
+    freeze_vision: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -141,6 +144,7 @@ struct RawData {
     val_files: Option<OneOrMany>,
     prompt_key: Option<String>,
     answer_key: Option<String>,
+    image_key: Option<String>,
     max_prompt_length: Option<usize>,
     overlong_prompts: Option<String>,
     enable_thinking: Option<bool>,
@@ -258,6 +262,7 @@ pub struct DataConfig {
     pub val_files: Vec<PathBuf>,
     pub prompt_key: String,
     pub answer_key: String,
+    pub image_key: String,
     pub max_prompt_length: usize,
     pub filter_overlong: bool,
     pub enable_thinking: Option<bool>,
@@ -288,6 +293,8 @@ pub struct RunConfig {
     pub source: PathBuf,
     pub model_path: String,
     pub dtype: String,
+    /// Qwen3-VL: the vision tower's weights stay fixed.
+    pub freeze_vision: bool,
     pub reference_path: Option<String>,
     pub data: DataConfig,
     pub rollout: RolloutConfig,
@@ -595,6 +602,7 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         val_files: resolve_paths(&base, d.val_files),
         prompt_key: d.prompt_key.unwrap_or_else(|| "prompt".into()),
         answer_key: d.answer_key.unwrap_or_else(|| "answer".into()),
+        image_key: d.image_key.unwrap_or_else(|| "images".into()),
         max_prompt_length: d.max_prompt_length.unwrap_or(1024),
         filter_overlong: match overlong.as_str() {
             "filter" => true,
@@ -807,6 +815,7 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         source: loc.path.to_path_buf(),
         model_path: local_or_hub(model_path),
         dtype,
+        freeze_vision: raw.model.freeze_vision.unwrap_or(false),
         reference_path: raw.reference.path.map(local_or_hub),
         data,
         rollout,

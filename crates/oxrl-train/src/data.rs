@@ -3,13 +3,15 @@
 //! resume.
 
 use crate::config::DataConfig;
-use oxrl_models::Tokenizer;
+use oxrl_models::image::prompt_image_sources;
+use oxrl_models::{ImagePrompting, ProcessedImage, Tokenizer};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::path::Path;
+use std::sync::Arc;
 
 /// One prompt of the dataset, ready for the engine.
 #[derive(Debug, Clone, PartialEq)]
@@ -21,16 +23,39 @@ pub struct PromptRow {
     pub prompt_text: String,
     /// Every column of the row (the ground truth among them).
     pub row: Map<String, Value>,
+    /// The prompt's images, processed, in the order of their tokens (Qwen3-VL).
+    pub images: Vec<Arc<ProcessedImage>>,
+    /// Where each image came from, as a path or `data:` URL (what rollout files record).
+    pub image_refs: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct DataError(pub String);
 
-/// The chat messages of a prompt cell: a string becomes one user message.
-fn messages_of(cell: &Value) -> Option<Value> {
+/// The chat messages of a prompt cell: a string becomes one user message. With `images` images
+/// from the image column, a string's `<image>` markers (verl's convention) become image items
+/// in place, or the images go before the text when it has none.
+fn messages_of(cell: &Value, images: usize) -> Option<Value> {
+    use serde_json::json;
     match cell {
-        Value::String(s) => Some(serde_json::json!([{"role": "user", "content": s}])),
+        Value::String(s) if images == 0 => Some(json!([{"role": "user", "content": s}])),
+        Value::String(s) => {
+            let mut content = Vec::new();
+            let parts: Vec<&str> = s.split("<image>").collect();
+            if parts.len() == 1 {
+                content.extend((0..images).map(|_| json!({"type": "image"})));
+            }
+            for (i, part) in parts.iter().enumerate() {
+                if i > 0 {
+                    content.push(json!({"type": "image"}));
+                }
+                if !part.is_empty() {
+                    content.push(json!({"type": "text", "text": part}));
+                }
+            }
+            Some(json!([{"role": "user", "content": content}]))
+        }
         Value::Array(_) => Some(cell.clone()),
         _ => None,
     }
@@ -100,12 +125,14 @@ fn read_parquet(file: &Path) -> Result<Vec<Row>, DataError> {
     Ok(rows)
 }
 
-/// Reads every file, renders and tokenizes each prompt, and drops (or refuses) prompts longer
-/// than `max_prompt_length` tokens. Returns the rows and how many were dropped.
+/// Reads every file, renders and tokenizes each prompt (with its images, for a policy that takes
+/// them: `image_prompting`), and drops (or refuses) prompts longer than `max_prompt_length`
+/// tokens. Returns the rows and how many were dropped.
 pub fn load_prompts(
     files: &[impl AsRef<Path>],
     cfg: &DataConfig,
     tok: &Tokenizer,
+    image_prompting: Option<&ImagePrompting>,
 ) -> Result<(Vec<PromptRow>, usize), DataError> {
     let mut rows = Vec::new();
     let mut dropped = 0;
@@ -114,6 +141,7 @@ pub fn load_prompts(
         kwargs.insert("enable_thinking".into(), Value::Bool(t));
     }
     for file in files {
+        let base = file.as_ref().parent().unwrap_or(Path::new("."));
         for Row { at, columns: row } in read_rows(file.as_ref())? {
             let cell = row.get(&cfg.prompt_key).ok_or_else(|| {
                 DataError(format!(
@@ -121,12 +149,18 @@ pub fn load_prompts(
                     cfg.prompt_key
                 ))
             })?;
-            let messages = messages_of(cell).ok_or_else(|| {
-                DataError(format!(
-                    "{at}: `{}` must be a string or a list of chat messages",
-                    cfg.prompt_key
-                ))
-            })?;
+            let sources = prompt_image_sources(row.get(&cfg.image_key), Some(cell), base)
+                .map_err(|e| DataError(format!("{at}: {e}")))?;
+            let images = ImagePrompting::prepare_with(image_prompting, &sources)
+                .map_err(|e| DataError(format!("{at}: {e}")))?;
+            let listed = row.get(&cfg.image_key).is_some_and(|v| !v.is_null());
+            let messages =
+                messages_of(cell, if listed { images.len() } else { 0 }).ok_or_else(|| {
+                    DataError(format!(
+                        "{at}: `{}` must be a string or a list of chat messages",
+                        cfg.prompt_key
+                    ))
+                })?;
             let prompt_text = match (tok.has_chat_template(), cell) {
                 (true, _) => tok.apply_chat_template(&messages, true, &kwargs),
                 (false, Value::String(s)) => Ok(s.clone()),
@@ -137,9 +171,14 @@ pub fn load_prompts(
                 }
             }
             .map_err(|e| DataError(format!("{at}: {e}")))?;
-            let prompt_ids = tok
+            let mut prompt_ids = tok
                 .encode(&prompt_text)
                 .map_err(|e| DataError(format!("{at}: {e}")))?;
+            if let (Some(p), false) = (image_prompting, images.is_empty()) {
+                prompt_ids = p
+                    .expand(&prompt_ids, &images)
+                    .map_err(|e| DataError(format!("{at}: {e}")))?;
+            }
             if prompt_ids.len() > cfg.max_prompt_length {
                 if cfg.filter_overlong {
                     dropped += 1;
@@ -161,6 +200,8 @@ pub fn load_prompts(
                 prompt_ids,
                 prompt_text,
                 row,
+                images,
+                image_refs: sources.iter().map(|s| s.to_reference()).collect(),
             });
         }
     }

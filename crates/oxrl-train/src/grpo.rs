@@ -10,7 +10,7 @@ use crate::state::{self, TrainerState};
 use crate::trajectory::Trajectory;
 use crate::update::{PolicyTrainer, Result, TrainError};
 use candle_core::{DType, Device};
-use oxrl_models::{eos_token_ids, hub::resolve_model, Qwen3, Tokenizer};
+use oxrl_models::{eos_token_ids, hub::resolve_model, ImagePrompting, Qwen3, Tokenizer};
 use oxrl_reward::{build_rule, RewardInput, RewardOutcome, RewardSet, RuleSpec, WeightedReward};
 use oxrl_rollout::{Completion, Engine, LocalEngine, SamplerConfig, SamplingParams};
 use std::collections::BTreeMap;
@@ -30,7 +30,10 @@ fn dtype(name: &str) -> DType {
 /// `kl_coef > 0` (default: the policy's initial weights), AdamW.
 pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path) -> Result<PolicyTrainer> {
     let dt = dtype(&cfg.dtype);
-    let policy = Qwen3::load(policy_dir, dt, &Device::Cpu)?;
+    let mut policy = Qwen3::load(policy_dir, dt, &Device::Cpu)?;
+    if let Some(v) = &mut policy.vision {
+        v.frozen = cfg.freeze_vision;
+    }
     let reference = match cfg.algorithm.kl_coef > 0.0 {
         true => {
             let r = cfg.reference_path.as_deref().unwrap_or(&cfg.model_path);
@@ -129,10 +132,24 @@ impl GrpoRun {
         }
         let model_dir = resolve_model(&cfg.model_path)?;
         let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir)?);
-        let (prompts, dropped) = load_prompts(&cfg.data.train_files, &cfg.data, &tokenizer)?;
+        let prompting = ImagePrompting::from_dir(&model_dir)?;
+        let (prompts, dropped) = load_prompts(
+            &cfg.data.train_files,
+            &cfg.data,
+            &tokenizer,
+            prompting.as_ref(),
+        )?;
         let val = match cfg.data.val_files.is_empty() {
             true => Vec::new(),
-            false => load_prompts(&cfg.data.val_files, &cfg.data, &tokenizer)?.0,
+            false => {
+                load_prompts(
+                    &cfg.data.val_files,
+                    &cfg.data,
+                    &tokenizer,
+                    prompting.as_ref(),
+                )?
+                .0
+            }
         };
         if dropped > 0 {
             eprintln!(
@@ -278,8 +295,14 @@ impl GrpoRun {
             stop_strings: r.stop.clone(),
             ignore_eos: false,
         };
+        let images: Vec<_> = rows
+            .iter()
+            .map(|&i| self.prompts[i].images.clone())
+            .collect();
         let t = Instant::now();
-        let completions = self.engine.generate(&prompt_ids, &params)?;
+        let completions = self
+            .engine
+            .generate_with_images(&prompt_ids, &images, &params)?;
         let time_rollout = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
@@ -298,6 +321,8 @@ impl GrpoRun {
                     reward: outcome.total[k],
                     rollout_logprobs: c.logprobs.clone(),
                     finish_reason: Some(c.finish_reason.as_str().to_string()),
+                    images: self.prompts[row].image_refs.clone(),
+                    pixels: self.prompts[row].images.clone(),
                 });
                 k += 1;
             }
@@ -395,7 +420,10 @@ impl GrpoRun {
             ..Default::default()
         };
         let prompt_ids: Vec<Vec<u32>> = self.val.iter().map(|p| p.prompt_ids.clone()).collect();
-        let completions = self.engine.generate(&prompt_ids, &params)?;
+        let images: Vec<_> = self.val.iter().map(|p| p.images.clone()).collect();
+        let completions = self
+            .engine
+            .generate_with_images(&prompt_ids, &images, &params)?;
         let asked: Vec<&PromptRow> = self.val.iter().collect();
         let outcome = self.score(&asked, &completions)?;
         m.insert("val/reward_mean".into(), mean_std(&outcome.total).0);
@@ -437,8 +465,10 @@ impl GrpoRun {
 /// `train --rollouts`: one update on recorded trajectories (the whole file is one batch), then a
 /// checkpoint and one metrics line in `output_dir`.
 pub fn replay(cfg: &RunConfig, rollouts: &Path) -> Result<BTreeMap<String, f64>> {
-    let trajs = crate::trajectory::read_trajectories(rollouts)?;
+    let mut trajs = crate::trajectory::read_trajectories(rollouts)?;
     let model_dir = resolve_model(&cfg.model_path)?;
+    let prompting = ImagePrompting::from_dir(&model_dir)?;
+    crate::trajectory::attach_images(&mut trajs, rollouts, prompting.as_ref())?;
     let mut trainer = build_trainer(cfg, &model_dir)?;
     let mut m = trainer.step(&trajs)?.metrics;
     let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();

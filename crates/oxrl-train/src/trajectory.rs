@@ -1,8 +1,10 @@
 //! Trajectories: what a rollout produced for one sampled response, as plain data that can be
 //! written by one run and trained on by another (`oxrl train --rollouts`).
 
+use oxrl_models::{ImagePrompting, ImageSource, ProcessedImage};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+use std::sync::Arc;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Trajectory {
@@ -16,6 +18,44 @@ pub struct Trajectory {
     pub rollout_logprobs: Vec<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finish_reason: Option<String>,
+    /// The prompt's images (Qwen3-VL), as paths (relative ones to the rollout file) or `data:`
+    /// URLs, in the order of their tokens in `prompt_ids`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<String>,
+    /// The images processed for the policy: filled by the rollout, or by
+    /// [`attach_images`] for a file.
+    #[serde(skip)]
+    pub pixels: Vec<Arc<ProcessedImage>>,
+}
+
+/// Loads and processes the images of trajectories read from `path` for a policy that takes them,
+/// expanding each image's single pad in `prompt_ids` when the file holds the compact form.
+pub fn attach_images(
+    trajs: &mut [Trajectory],
+    path: &Path,
+    prompting: Option<&ImagePrompting>,
+) -> Result<(), TrajectoryError> {
+    let base = path.parent().unwrap_or(Path::new("."));
+    for (i, t) in trajs.iter_mut().enumerate() {
+        if t.images.is_empty() {
+            continue;
+        }
+        let bad = |e: oxrl_models::ModelError| TrajectoryError::Line {
+            path: path.display().to_string(),
+            line: i + 1,
+            message: e.to_string(),
+        };
+        let sources: Vec<ImageSource> = t
+            .images
+            .iter()
+            .map(|r| ImageSource::from_reference(r, base))
+            .collect();
+        t.pixels = ImagePrompting::prepare_with(prompting, &sources).map_err(bad)?;
+        if let Some(p) = prompting {
+            t.prompt_ids = p.expand(&t.prompt_ids, &t.pixels).map_err(bad)?;
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -147,7 +147,7 @@ fn requests(trajs: &[&Trajectory], temperature: f64) -> Vec<ScoreRequest> {
             prompt_ids: t.prompt_ids.clone(),
             response_ids: t.response_ids.clone(),
             temperature,
-            images: Vec::new(),
+            images: t.pixels.clone(),
         })
         .collect()
 }

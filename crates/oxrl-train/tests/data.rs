@@ -54,13 +54,14 @@ fn parquet_rows_equal_their_jsonl_source() {
         val_files: vec![],
         prompt_key: "prompt".into(),
         answer_key: "answer".into(),
+        image_key: "images".into(),
         max_prompt_length: 64,
         filter_overlong: true,
         enable_thinking: None,
         shuffle: true,
     };
-    let (from_jsonl, _) = load_prompts(&[&jsonl], &cfg, &tok).unwrap();
-    let (from_parquet, _) = load_prompts(&[&parquet], &cfg, &tok).unwrap();
+    let (from_jsonl, _) = load_prompts(&[&jsonl], &cfg, &tok, None).unwrap();
+    let (from_parquet, _) = load_prompts(&[&parquet], &cfg, &tok, None).unwrap();
     let ids = |rows: &[oxrl_train::data::PromptRow]| {
         rows.iter()
             .map(|r| r.prompt_ids.clone())

@@ -246,6 +246,8 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
                     reward: rng.random_range(0..2) as f64,
                     rollout_logprobs: c.logprobs.clone(),
                     finish_reason: None,
+                    images: Vec::new(),
+                    pixels: Vec::new(),
                 });
             }
         }

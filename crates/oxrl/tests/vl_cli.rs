@@ -159,3 +159,85 @@ fn bad_images_are_one_line_errors_that_name_the_line() {
     assert!(e.contains("no vision tower"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+fn safetensors(path: &Path) -> std::collections::HashMap<String, Vec<f32>> {
+    candle_core::safetensors::load(path, &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k, v.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+/// `oxrl train --rollouts` on image trajectories (the compact pad form, images by path): one
+/// update moves the vision tower's weights too, unless `freeze_vision` keeps them.
+#[test]
+fn a_vl_replay_step_trains_the_vision_tower_unless_frozen() {
+    let dir = temp_dir("vl-replay");
+    let fx = fixture("qwen3-vl-tiny");
+    let rollouts = dir.join("rollouts.jsonl");
+    let mut lines = Vec::new();
+    for (k, c) in jsonl(&fx.join("cases.jsonl")).iter().enumerate() {
+        let images: Vec<String> = c
+            .get("images")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .map(|n| fx.join(n.as_str().unwrap()).display().to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        lines.push(
+            json!({"uid": format!("g{}", k / 2), "prompt_ids": c["prompt_ids"],
+                "response_ids": c["response_ids"], "reward": (k % 2) as f64, "images": images})
+            .to_string(),
+        );
+    }
+    std::fs::write(&rollouts, lines.join("\n")).unwrap();
+    let before = safetensors(&fx.join("model.safetensors"));
+    for freeze in [false, true] {
+        let config = dir.join(format!("grpo-{freeze}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[model]\npath = \"{}\"\nfreeze_vision = {freeze}\n[algorithm]\nkl_coef = 0.01\n\
+                 [trainer]\nmicro_batch_size = 2\nlr = 1e-3\n",
+                s(&fx)
+            ),
+        )
+        .unwrap();
+        let out = dir.join(format!("out-{freeze}"));
+        let r = oxrl(&[
+            "train",
+            "--config",
+            s(&config),
+            "--rollouts",
+            s(&rollouts),
+            "--max-steps",
+            "1",
+            "--output-dir",
+            s(&out),
+        ]);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let metrics: Value = serde_json::from_str(
+            std::fs::read_to_string(out.join("metrics.jsonl"))
+                .unwrap()
+                .lines()
+                .next()
+                .unwrap(),
+        )
+        .unwrap();
+        assert!(metrics["loss"].as_f64().unwrap().is_finite());
+        assert!(metrics["grad_norm"].as_f64().unwrap() > 0.0);
+        let after = safetensors(&out.join("checkpoint-1/model.safetensors"));
+        assert_eq!(after.len(), before.len());
+        let moved = |name: &str| after[name] != before[name];
+        assert!(moved("model.language_model.layers.0.mlp.up_proj.weight"));
+        assert_eq!(
+            moved("model.visual.blocks.0.attn.qkv.weight"),
+            !freeze,
+            "freeze_vision = {freeze}"
+        );
+        assert_eq!(moved("model.visual.patch_embed.proj.weight"), !freeze);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

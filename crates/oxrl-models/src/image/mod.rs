@@ -370,6 +370,24 @@ impl ImageSource {
         }
     }
 
+    /// The source as a string a rollout file can hold and [`ImageSource::from_reference`] reads
+    /// back wherever the file is: the absolute path, or a base64 `data:` URL for image data.
+    pub fn to_reference(&self) -> String {
+        use base64::Engine;
+        match self {
+            Self::Path(p) => std::path::absolute(p)
+                .unwrap_or_else(|_| p.clone())
+                .display()
+                .to_string(),
+            Self::Base64(s) if s.starts_with("data:") => s.clone(),
+            Self::Base64(s) => format!("data:image;base64,{s}"),
+            Self::Bytes(b) => format!(
+                "data:image;base64,{}",
+                base64::engine::general_purpose::STANDARD.encode(b)
+            ),
+        }
+    }
+
     /// What an error about this image names.
     pub fn describe(&self) -> String {
         match self {
