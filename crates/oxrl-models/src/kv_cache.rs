@@ -8,7 +8,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::image::ProcessedImage;
-use crate::qwen3::{linear, rms_norm, Qwen3, VisualInjection};
+use crate::qwen3::{linear, rms_norm, Qwen3, VisualInjection, NOT_PROMPT};
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -187,7 +187,15 @@ impl Qwen3 {
             Some(v) if images.iter().any(|i| !i.is_empty()) => {
                 let all: Vec<&ProcessedImage> =
                     images.iter().flat_map(|i| i.iter().map(|p| &**p)).collect();
-                Some(VisualInjection::new(v, &ids, &all, &self.device)?)
+                // Only prompt chunks (those with images) carry image tokens.
+                let mut locate = Vec::with_capacity(ids.len());
+                for (chunk, imgs) in chunks.iter().zip(images) {
+                    match imgs.is_empty() {
+                        true => locate.extend(std::iter::repeat_n(NOT_PROMPT, chunk.len())),
+                        false => locate.extend_from_slice(chunk),
+                    }
+                }
+                Some(VisualInjection::new(v, &locate, &all, &self.device)?)
             }
             _ => None,
         };

@@ -67,6 +67,21 @@ impl VisionTokens {
         Ok((positions, max + 1 - ids.len() as i64))
     }
 
+    /// Positions of `prompt` followed by `continuation` generated tokens: the prompt's from
+    /// [`VisionTokens::rope_index`], the continuation's plain text positions after it (what
+    /// decoding gives them; an image pad the policy generates is just text).
+    pub fn sequence_positions(
+        &self,
+        prompt: &[u32],
+        continuation: usize,
+        grids: &[[usize; 3]],
+    ) -> Result<Vec<[u32; 3]>> {
+        let (mut positions, delta) = self.rope_index(prompt, grids)?;
+        let start = prompt.len() as i64 + delta;
+        positions.extend((start..start + continuation as i64).map(|p| [p as u32; 3]));
+        Ok(positions)
+    }
+
     /// Checks that the image tokens come in runs of exactly each image's token count.
     fn check_counts(&self, ids: &[u32], grids: &[[usize; 3]]) -> Result<()> {
         let mut runs = Vec::new();

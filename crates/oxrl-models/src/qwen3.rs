@@ -224,6 +224,9 @@ fn text_prefix(vl: bool) -> &'static str {
     }
 }
 
+/// Stands in [`VisualInjection::new`]'s ids for a token outside any prompt.
+pub(crate) const NOT_PROMPT: u32 = u32::MAX;
+
 /// The visual part of a batch's forward: where the image tokens sit in the flattened
 /// `[B·S]` rows, the merged image embeddings written there, and the DeepStack features added
 /// there after the first text layers.
@@ -238,7 +241,8 @@ pub(crate) struct VisualInjection {
 
 impl VisualInjection {
     /// Runs the vision tower over `images` (in prompt order) and places the result at the image
-    /// tokens of the flattened ids.
+    /// tokens of the flattened ids. Only prompt tokens carry images: callers set every other
+    /// position of `flat_ids` to [`NOT_PROMPT`], so a generated image pad stays text.
     pub(crate) fn new(
         vision: &Vision,
         flat_ids: &[u32],
@@ -696,22 +700,28 @@ impl Qwen3 {
         linear(&self.forward_hidden(input_ids)?, &self.lm_head)
     }
 
-    /// Logits `[S, vocab]` of one sequence whose image tokens take `images`, in order (the
-    /// training path; Qwen3-VL, or a text model when `images` is empty).
+    /// Logits `[S, vocab]` of `prompt ++ continuation`, the prompt's image tokens taking
+    /// `images` in order (the training path; Qwen3-VL, or a text model when `images` is empty).
     pub fn forward_with_images(
         &self,
-        ids: &[u32],
+        prompt: &[u32],
+        continuation: &[u32],
         images: &[Arc<ProcessedImage>],
     ) -> Result<Tensor> {
-        self.validate_ids(ids, "input")?;
-        self.validate_images(ids, images, "input")?;
-        let input = Tensor::from_slice(ids, (1, ids.len()), &self.device)?;
+        let ids: Vec<u32> = prompt.iter().chain(continuation).copied().collect();
+        self.validate_ids(&ids, "input")?;
+        self.validate_images(prompt, images, "prompt")?;
+        let input = Tensor::from_slice(&ids, (1, ids.len()), &self.device)?;
         let hidden = match (&self.vision, images.is_empty()) {
             (Some(v), false) => {
                 let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
-                let positions = v.tokens.rope_index(ids, &grids)?.0;
+                let positions = v
+                    .tokens
+                    .sequence_positions(prompt, continuation.len(), &grids)?;
                 let imgs: Vec<&ProcessedImage> = images.iter().map(|i| &**i).collect();
-                let visual = VisualInjection::new(v, ids, &imgs, &self.device)?;
+                let mut locate = prompt.to_vec();
+                locate.resize(ids.len(), NOT_PROMPT);
+                let visual = VisualInjection::new(v, &locate, &imgs, &self.device)?;
                 self.forward_hidden_with(&input, Some(&positions), Some(&visual))?
             }
             _ => self.forward_hidden(&input)?,
@@ -835,7 +845,7 @@ impl Qwen3 {
                 .copied()
                 .collect();
             self.validate_ids(&ids, &format!("request {i}"))?;
-            self.validate_images(&ids, &r.images, &format!("request {i}"))?;
+            self.validate_images(&r.prompt_ids, &r.images, &format!("request {i}"))?;
         }
         let (mut out, mut entropies) = (Vec::with_capacity(requests.len()), Vec::new());
         let mut start = 0;
@@ -926,17 +936,23 @@ impl Qwen3 {
             }
             Some(vision) => {
                 let mut positions = Vec::with_capacity(ids.len());
+                let mut locate = Vec::with_capacity(ids.len());
                 for (b, r) in batch.iter().enumerate() {
-                    let seq = &ids[b * longest..][..r.prompt_ids.len() + r.response_ids.len()];
                     let grids: Vec<[usize; 3]> = r.images.iter().map(|i| i.grid_thw).collect();
-                    positions.extend(vision.tokens.rope_index(seq, &grids)?.0);
+                    positions.extend(vision.tokens.sequence_positions(
+                        &r.prompt_ids,
+                        r.response_ids.len(),
+                        &grids,
+                    )?);
                     positions.resize((b + 1) * longest, [0; 3]);
+                    locate.extend(&r.prompt_ids);
+                    locate.resize((b + 1) * longest, NOT_PROMPT);
                 }
                 let images: Vec<&ProcessedImage> = batch
                     .iter()
                     .flat_map(|r| r.images.iter().map(|i| &**i))
                     .collect();
-                let visual = VisualInjection::new(vision, &ids, &images, &self.device)?;
+                let visual = VisualInjection::new(vision, &locate, &images, &self.device)?;
                 let input = Tensor::from_vec(ids, (batch.len(), longest), &self.device)?;
                 self.forward_hidden_with(&input, Some(&positions), Some(&visual))?
             }
@@ -1049,11 +1065,13 @@ impl Qwen3 {
 }
 
 impl Qwen3 {
-    /// A freshly initialised model as transformers makes one: every matrix from N(0, 0.02²)
-    /// (`initializer_range`), every norm weight 1. For benchmarks, tests and new tiny policies.
+    /// A freshly initialised model as transformers makes one: every matrix (and the vision
+    /// position table) from N(0, 0.02²) (`initializer_range`), every norm weight 1, every bias
+    /// 0. For benchmarks, tests and new tiny policies; Qwen3-VL when the config has a
+    /// `vision_config`.
     pub fn random(config_json: Value, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
         use rand::{Rng, SeedableRng};
-        let config = Qwen3Config::from_value(&config_json, Path::new("<random init>"))?;
+        let (config, vision) = parse_config(&config_json, Path::new("<random init>"))?;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let std = config_json
             .get("initializer_range")
@@ -1075,6 +1093,16 @@ impl Qwen3 {
         let (h, kv) = (c.num_attention_heads, c.num_key_value_heads);
         let ones = |n: usize| Tensor::ones(n, dtype, device);
         let mut t = HashMap::new();
+        if let Some((vc, _)) = &vision {
+            for (name, shape, init) in crate::vision::parameter_shapes(vc) {
+                let x = match init {
+                    crate::vision::Init::Normal => normal(&shape)?,
+                    crate::vision::Init::Ones => Tensor::ones(shape, dtype, device)?,
+                    crate::vision::Init::Zeros => Tensor::zeros(shape, dtype, device)?,
+                };
+                t.insert(name, x);
+            }
+        }
         t.insert(
             "model.embed_tokens.weight".to_string(),
             normal(&[c.vocab_size, d])?,

@@ -238,6 +238,80 @@ fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result
         .to_dtype(dtype)
 }
 
+/// How [`crate::Qwen3::random`] initialises a vision weight (transformers' defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Init {
+    Normal,
+    Ones,
+    Zeros,
+}
+
+/// Every vision weight's checkpoint name, shape and initialisation.
+pub fn parameter_shapes(c: &VisionConfig) -> Vec<(String, Vec<usize>, Init)> {
+    let (dv, iv) = (c.hidden_size, c.intermediate_size);
+    let hm = dv * c.spatial_merge_size * c.spatial_merge_size;
+    let p = |name: &str, shape: &[usize], init: Init| {
+        (format!("{VISION_PREFIX}{name}"), shape.to_vec(), init)
+    };
+    let mut out = vec![
+        p(
+            "patch_embed.proj.weight",
+            &[
+                dv,
+                c.in_channels,
+                c.temporal_patch_size,
+                c.patch_size,
+                c.patch_size,
+            ],
+            Init::Normal,
+        ),
+        p("patch_embed.proj.bias", &[dv], Init::Zeros),
+        p(
+            "pos_embed.weight",
+            &[c.num_position_embeddings, dv],
+            Init::Normal,
+        ),
+    ];
+    for i in 0..c.depth {
+        for (name, shape, init) in [
+            ("norm1.weight", vec![dv], Init::Ones),
+            ("norm1.bias", vec![dv], Init::Zeros),
+            ("norm2.weight", vec![dv], Init::Ones),
+            ("norm2.bias", vec![dv], Init::Zeros),
+            ("attn.qkv.weight", vec![3 * dv, dv], Init::Normal),
+            ("attn.qkv.bias", vec![3 * dv], Init::Zeros),
+            ("attn.proj.weight", vec![dv, dv], Init::Normal),
+            ("attn.proj.bias", vec![dv], Init::Zeros),
+            ("mlp.linear_fc1.weight", vec![iv, dv], Init::Normal),
+            ("mlp.linear_fc1.bias", vec![iv], Init::Zeros),
+            ("mlp.linear_fc2.weight", vec![dv, iv], Init::Normal),
+            ("mlp.linear_fc2.bias", vec![dv], Init::Zeros),
+        ] {
+            out.push(p(&format!("blocks.{i}.{name}"), &shape, init));
+        }
+    }
+    let mergers = std::iter::once(("merger".to_string(), dv)).chain(
+        (0..c.deepstack_visual_indexes.len()).map(|k| (format!("deepstack_merger_list.{k}"), hm)),
+    );
+    for (prefix, norm) in mergers {
+        for (name, shape, init) in [
+            ("norm.weight", vec![norm], Init::Ones),
+            ("norm.bias", vec![norm], Init::Zeros),
+            ("linear_fc1.weight", vec![hm, hm], Init::Normal),
+            ("linear_fc1.bias", vec![hm], Init::Zeros),
+            (
+                "linear_fc2.weight",
+                vec![c.out_hidden_size, hm],
+                Init::Normal,
+            ),
+            ("linear_fc2.bias", vec![c.out_hidden_size], Init::Zeros),
+        ] {
+            out.push(p(&format!("{prefix}.{name}"), &shape, init));
+        }
+    }
+    out
+}
+
 /// What the vision tower gives the text model for a batch of images.
 pub struct VisionOutput {
     /// `[Σ t·h·w/m², out_hidden]`: merged tokens, image after image.

@@ -144,7 +144,9 @@ fn vision_tower_positions_and_logits_match_transformers() {
         .unwrap();
     assert_eq!(delta, want_delta[0]);
 
-    let logits = model.forward_with_images(&all, &case.images).unwrap();
+    let logits = model
+        .forward_with_images(&case.prompt_ids, &case.response_ids, &case.images)
+        .unwrap();
     let d = max_abs_diff(&logits, &expected["logits"]);
     assert!(d <= 1e-4, "logits: max |Δ| {d}");
 }
@@ -198,13 +200,9 @@ fn cached_path_equals_training_path_with_images() {
         }
     }
     for (n, (r, rows)) in reqs.iter().zip(&cached).enumerate() {
-        let all: Vec<u32> = r
-            .prompt_ids
-            .iter()
-            .chain(&r.response_ids)
-            .copied()
-            .collect();
-        let full = model.forward_with_images(&all, &r.images).unwrap();
+        let full = model
+            .forward_with_images(&r.prompt_ids, &r.response_ids, &r.images)
+            .unwrap();
         let want = full.narrow(0, r.prompt_ids.len() - 1, rows.len()).unwrap();
         let got = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
         let d = max_abs_diff(&got, &want);
@@ -293,4 +291,21 @@ fn bad_image_inputs_are_errors_that_say_why() {
     with_image.images.push(reqs[0].images[0].clone());
     let e = text.score_batch(&[with_image]).unwrap_err().to_string();
     assert!(e.contains("no vision tower"), "{e}");
+}
+
+/// An image pad the policy generates in its response is text: it scores, and it changes
+/// nothing before it.
+#[test]
+fn a_generated_image_pad_is_text() {
+    let model = tiny_vl();
+    let (reqs, _) = requests(&model);
+    let pad = model.vision.as_ref().unwrap().tokens.image_token_id;
+    let mut with_pad = reqs[0].clone();
+    with_pad.response_ids.extend([pad, pad, 7]);
+    let got = model.score_batch(&[reqs[0].clone(), with_pad]).unwrap();
+    assert_eq!(got[1].len(), got[0].len() + 3);
+    for (a, b) in got[0].iter().zip(&got[1]) {
+        assert!((a - b).abs() <= 1e-5, "{a} vs {b}");
+    }
+    assert!(got[1].iter().all(|x| x.is_finite()));
 }

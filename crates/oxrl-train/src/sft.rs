@@ -8,21 +8,26 @@ use crate::grpo::build_trainer;
 use crate::observe::{Gauges, MetricsLog, Progress};
 use crate::state::{self, TrainerState};
 use crate::update::{Result, TrainError};
-use oxrl_models::{hub::resolve_model, ScoreRequest, Tokenizer};
+use oxrl_models::image::{is_image_item, prompt_image_sources};
+use oxrl_models::{hub::resolve_model, ImagePrompting, ScoreRequest, Tokenizer};
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The (prompt, assistant response) token pairs of every conversation in `files`. Each row's
-/// `column` holds the chat messages.
+/// `column` holds the chat messages; their image items (with sources, or filled in order from
+/// the `image_key` column) come with every turn after them, for a policy that takes images.
 pub fn load_examples(
     files: &[PathBuf],
     column: &str,
+    image_key: &str,
     tok: &Tokenizer,
     kwargs: &Map<String, Value>,
+    prompting: Option<&ImagePrompting>,
 ) -> std::result::Result<Vec<ScoreRequest>, DataError> {
     let mut out = Vec::new();
     for file in files {
+        let base = file.parent().unwrap_or(Path::new("."));
         for Row { at, columns } in read_rows(file)? {
             let messages = columns
                 .get(column)
@@ -32,14 +37,28 @@ pub fn load_examples(
                         "{at}: `{column}` must be a list of chat messages (data.prompt_key)"
                     ))
                 })?;
+            let all = Value::Array(messages.clone());
+            let sources = prompt_image_sources(columns.get(image_key), Some(&all), base)
+                .map_err(|e| DataError(format!("{at}: {e}")))?;
+            let images = ImagePrompting::prepare_with(prompting, &sources)
+                .map_err(|e| DataError(format!("{at}: {e}")))?;
             for (turn, m) in messages.iter().enumerate() {
                 if m.get("role").and_then(Value::as_str) != Some("assistant") {
                     continue;
                 }
+                let seen = image_items(&messages[..turn]).min(images.len());
+                let turn_images = &images[..seen];
                 let render = |upto: usize, gen: bool| {
-                    tok.apply_chat_template(&Value::Array(messages[..upto].to_vec()), gen, kwargs)
+                    let ids = tok
+                        .apply_chat_template(&Value::Array(messages[..upto].to_vec()), gen, kwargs)
                         .and_then(|t| tok.encode(&t))
-                        .map_err(|e| DataError(format!("{at}: {e}")))
+                        .map_err(|e| DataError(format!("{at}: {e}")))?;
+                    match prompting {
+                        Some(p) if seen > 0 => p
+                            .expand(&ids, turn_images)
+                            .map_err(|e| DataError(format!("{at}: {e}"))),
+                        _ => Ok(ids),
+                    }
                 };
                 let prompt_ids = render(turn, true)?;
                 let full = render(turn + 1, false)?;
@@ -52,7 +71,7 @@ pub fn load_examples(
                     response_ids: full[prompt_ids.len()..].to_vec(),
                     prompt_ids,
                     temperature: 1.0,
-                    images: Vec::new(),
+                    images: turn_images.to_vec(),
                 });
             }
         }
@@ -63,6 +82,16 @@ pub fn load_examples(
         ));
     }
     Ok(out)
+}
+
+/// Image items in the contents of `messages` (what the chat template turns into image pads).
+fn image_items(messages: &[Value]) -> usize {
+    messages
+        .iter()
+        .filter_map(|m| m.get("content").and_then(Value::as_array))
+        .flatten()
+        .filter(|item| is_image_item(item))
+        .count()
 }
 
 /// Runs SFT for `max_steps` steps of `trainer.batch_size` examples; checkpoints like GRPO runs.
@@ -79,7 +108,15 @@ pub fn run(cfg: &RunConfig, resume: bool) -> Result<PathBuf> {
             cfg.source.display()
         )));
     }
-    let examples = load_examples(&cfg.data.train_files, &cfg.data.prompt_key, &tok, &kwargs)?;
+    let prompting = ImagePrompting::from_dir(&model_dir)?;
+    let examples = load_examples(
+        &cfg.data.train_files,
+        &cfg.data.prompt_key,
+        &cfg.data.image_key,
+        &tok,
+        &kwargs,
+        prompting.as_ref(),
+    )?;
     std::fs::create_dir_all(&cfg.output_dir)?;
     let resumed = if resume {
         state::latest(&cfg.output_dir)

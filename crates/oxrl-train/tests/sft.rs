@@ -20,7 +20,15 @@ fn each_assistant_turn_is_one_example_with_only_its_tokens_as_response() {
         r#"{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]}"#,
     )
     .unwrap();
-    let ex = load_examples(&[file], "messages", &tok, &Default::default()).unwrap();
+    let ex = load_examples(
+        &[file],
+        "messages",
+        "images",
+        &tok,
+        &Default::default(),
+        None,
+    )
+    .unwrap();
     assert_eq!(ex.len(), 2);
     assert_eq!(
         tok.decode(&ex[0].response_ids, false).unwrap(),

@@ -14,61 +14,15 @@ use candle_core::{DType, Device};
 use oxrl_models::Qwen3;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use serde_json::json;
+use std::path::PathBuf;
+
+mod common;
+
+use common::{tokenizer_json, write};
 
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 const CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
-
-/// GPT-2's byte → printable-character map used by byte-level BPE.
-fn byte_chars() -> Vec<char> {
-    let mut printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
-    let mut chars: Vec<u32> = printable.clone();
-    let mut extra = 0;
-    for b in 0..256u32 {
-        if !printable.contains(&b) {
-            printable.push(b);
-            chars.push(256 + extra);
-            extra += 1;
-        }
-    }
-    let mut map = vec!['\0'; 256];
-    for (b, c) in printable.iter().zip(chars) {
-        map[*b as usize] = char::from_u32(c).expect("valid char");
-    }
-    map
-}
-
-fn tokenizer_json() -> Value {
-    let vocab: serde_json::Map<String, Value> = byte_chars()
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (c.to_string(), json!(i)))
-        .collect();
-    let added: Vec<Value> = SPECIALS
-        .iter()
-        .enumerate()
-        .map(|(i, s)| {
-            json!({"id": 256 + i, "content": s, "single_word": false, "lstrip": false,
-                             "rstrip": false, "normalized": false, "special": true})
-        })
-        .collect();
-    json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                  "ignore_merges": false, "vocab": vocab, "merges": []}
-    })
-}
-
-fn write(path: &Path, text: &str) {
-    std::fs::create_dir_all(path.parent().expect("a parent")).expect("create dir");
-    std::fs::write(path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-}
 
 fn main() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/arithmetic");
@@ -86,7 +40,10 @@ fn main() {
     });
     let model = Qwen3::random(config, 0, DType::F32, &Device::Cpu).expect("random init");
     let side = std::env::temp_dir().join("oxrl-arithmetic-tokenizer");
-    write(&side.join("tokenizer.json"), &tokenizer_json().to_string());
+    write(
+        &side.join("tokenizer.json"),
+        &tokenizer_json(&SPECIALS).to_string(),
+    );
     write(
         &side.join("tokenizer_config.json"),
         &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": null,

@@ -64,7 +64,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
             loaded.model.validate_ids(&all, "prompt + response")?;
             loaded
                 .model
-                .validate_images(&all, &request.images, "prompt + response")?;
+                .validate_images(&request.prompt_ids, &request.images, "prompt")?;
             if request.prompt_ids.is_empty() || request.response_ids.is_empty() {
                 return Err(anyhow!(
                     "the prompt and the response each need at least one token"

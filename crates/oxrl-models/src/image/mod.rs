@@ -433,6 +433,13 @@ fn decode_base64(text: &str) -> std::result::Result<Vec<u8>, String> {
         .map_err(|e| format!("invalid base64: {e}"))
 }
 
+/// Whether a chat content item is an image (what the chat template turns into image pads).
+pub fn is_image_item(item: &Value) -> bool {
+    item.get("type").and_then(Value::as_str) == Some("image")
+        || item.get("image").is_some()
+        || item.get("image_url").is_some()
+}
+
 /// The images a prompt refers to, in order: `images` (a list, when given) supplies them;
 /// otherwise the sources of the image items in chat `messages` contents do.
 pub fn prompt_image_sources(
@@ -460,10 +467,7 @@ pub fn prompt_image_sources(
             .into_iter()
             .flatten()
         {
-            let is_image = item.get("type").and_then(Value::as_str) == Some("image")
-                || item.get("image").is_some()
-                || item.get("image_url").is_some();
-            if is_image {
+            if is_image_item(item) {
                 out.push(ImageSource::from_json(item, base).map_err(|e| {
                     format!(
                         "an image item of `messages` has no source ({e}); list them in `images`"

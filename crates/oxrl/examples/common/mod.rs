@@ -1,0 +1,56 @@
+//! Pieces the demo generators share: a byte-level tokenizer and file writing.
+
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// GPT-2's byte → printable-character map used by byte-level BPE.
+pub fn byte_chars() -> Vec<char> {
+    let mut printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
+    let mut chars: Vec<u32> = printable.clone();
+    let mut extra = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            printable.push(b);
+            chars.push(256 + extra);
+            extra += 1;
+        }
+    }
+    let mut map = vec!['\0'; 256];
+    for (b, c) in printable.iter().zip(chars) {
+        map[*b as usize] = char::from_u32(c).expect("valid char");
+    }
+    map
+}
+
+/// A byte-level BPE `tokenizer.json` with no merges: 256 byte tokens, then `specials`.
+pub fn tokenizer_json(specials: &[&str]) -> Value {
+    let vocab: serde_json::Map<String, Value> = byte_chars()
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), json!(i)))
+        .collect();
+    let added: Vec<Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            json!({"id": 256 + i, "content": s, "single_word": false, "lstrip": false,
+                             "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": []}
+    })
+}
+
+/// Writes `text` to `path`, creating its directory.
+pub fn write(path: &Path, text: &str) {
+    std::fs::create_dir_all(path.parent().expect("a parent")).expect("create dir");
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
