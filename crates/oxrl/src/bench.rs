@@ -24,6 +24,24 @@ pub enum BenchCommand {
     Generate(GenerateBench),
     /// Seconds per GRPO step (rollout, old and reference log-probs, update) on W1.
     GrpoStep(GrpoStepBench),
+    /// Qwen3-VL: images per second through the vision tower, and a GRPO step on image prompts.
+    Vision(VisionBench),
+}
+
+#[derive(clap::Args)]
+pub struct VisionBench {
+    /// Images in the tower's batch, and image prompts in the GRPO step (one image each).
+    #[arg(long, default_value_t = 8)]
+    images: usize,
+    /// Side of the square images in pixels (a multiple of 32).
+    #[arg(long, default_value_t = 256)]
+    size: usize,
+    #[arg(long, default_value_t = 8)]
+    n: usize,
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -70,6 +88,209 @@ pub fn w1_model(seed: u64) -> Result<Qwen3> {
     Ok(Qwen3::random(config, seed, DType::F32, &Device::Cpu)?)
 }
 
+/// W1's text model under a Qwen3-VL vision tower (depth 4, hidden 256, 4 heads, MLP 1024, a
+/// 48×48 position table, DeepStack after blocks 1 and 3), all freshly initialised.
+pub fn vl_w1_model(seed: u64) -> Result<Qwen3> {
+    let config = json!({
+        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+        "tie_word_embeddings": true, "dtype": "float32",
+        "text_config": {
+            "model_type": "qwen3_vl_text", "vocab_size": 151936, "hidden_size": 256,
+            "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 40960,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+                                "mrope_section": [12, 10, 10]},
+        },
+        "vision_config": {
+            "depth": 4, "hidden_size": 256, "intermediate_size": 1024, "num_heads": 4,
+            "out_hidden_size": 256, "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [1, 3],
+        },
+    });
+    Ok(Qwen3::random(config, seed, DType::F32, &Device::Cpu)?)
+}
+
+/// A random RGB picture of `side × side`, processed for `model`.
+fn random_image(
+    model: &Qwen3,
+    side: usize,
+    rng: &mut ChaCha8Rng,
+) -> Result<Arc<oxrl_models::ProcessedImage>> {
+    let img = oxrl_models::image::Image8 {
+        width: side,
+        height: side,
+        channels: 3,
+        data: (0..side * side * 3).map(|_| rng.random::<u8>()).collect(),
+    };
+    let cfg = oxrl_models::ImageProcessorConfig {
+        min_pixels: side * side,
+        max_pixels: side * side,
+        ..model
+            .vision
+            .as_ref()
+            .map(|v| v.processor.clone())
+            .unwrap_or_default()
+    };
+    Ok(Arc::new(oxrl_models::image::process(&img, &cfg)?))
+}
+
+fn vision(b: VisionBench) -> Result<()> {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let model = vl_w1_model(0)?;
+    let vision = model
+        .vision
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("the VL benchmark model has no vision tower"))?;
+    let images: Vec<_> = (0..b.images)
+        .map(|_| random_image(&model, b.size, &mut rng))
+        .collect::<Result<_>>()?;
+    let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+    let pixels: Vec<f32> = images.iter().flat_map(|i| i.pixel_values.clone()).collect();
+    let rows = pixels.len() / vision.tower.config.patch_dim();
+    let pixels = candle_core::Tensor::from_vec(
+        pixels,
+        (rows, vision.tower.config.patch_dim()),
+        &Device::Cpu,
+    )?;
+    vision.tower.forward(&pixels, &grids)?; // warm-up
+    let reps = 3;
+    let start = Instant::now();
+    for _ in 0..reps {
+        vision.tower.forward(&pixels, &grids)?;
+    }
+    let tower_s = start.elapsed().as_secs_f64() / reps as f64;
+    let images_per_s = b.images as f64 / tower_s;
+
+    // One GRPO step on image prompts: ~20 text tokens around each picture's tokens.
+    let tokens = vision.tokens;
+    let prompts: Vec<Vec<u32>> = images
+        .iter()
+        .map(|img| {
+            let mut p: Vec<u32> = (0..10).map(|_| rng.random_range(0..151_000)).collect();
+            p.push(tokens.vision_start_token_id);
+            p.extend(std::iter::repeat_n(
+                tokens.image_token_id,
+                img.num_tokens(tokens.merge_size),
+            ));
+            p.push(tokens.vision_end_token_id);
+            p.extend((0..10).map(|_| rng.random_range(0..151_000u32)));
+            p
+        })
+        .collect();
+    let prompt_images: Vec<Vec<_>> = images.iter().map(|i| vec![i.clone()]).collect();
+    let (secs, m) = vl_grpo_step(
+        model,
+        vl_w1_model(1)?,
+        &prompts,
+        &prompt_images,
+        &b,
+        &mut rng,
+    )?;
+    let phases = [
+        "time/rollout",
+        "time/old_logprobs",
+        "time/ref",
+        "time/update",
+    ];
+    if b.json {
+        let mut obj = serde_json::Map::new();
+        obj.insert("bench".into(), "vision".into());
+        obj.insert("images".into(), b.images.into());
+        obj.insert("image_size".into(), b.size.into());
+        obj.insert("vision_tower_seconds".into(), tower_s.into());
+        obj.insert("images_per_s".into(), images_per_s.into());
+        obj.insert("seconds_per_step".into(), secs.into());
+        for p in phases {
+            obj.insert(p.into(), m.get(p).copied().unwrap_or(0.0).into());
+        }
+        println!("{}", serde_json::Value::Object(obj));
+    } else {
+        println!(
+            "vision: {} images of {}×{} through the tower in {tower_s:.3} s = {images_per_s:.1} images/s; \
+             VL GRPO step ({} prompts × {} samples × {} tokens): {secs:.2} s \
+             (rollout {:.2}, old logprobs {:.2}, ref {:.2}, update {:.2})",
+            b.images, b.size, b.size, b.images, b.n, b.new_tokens,
+            m.get("time/rollout").copied().unwrap_or(0.0),
+            m.get("time/old_logprobs").copied().unwrap_or(0.0),
+            m.get("time/ref").copied().unwrap_or(0.0),
+            m.get("time/update").copied().unwrap_or(0.0),
+        );
+    }
+    Ok(())
+}
+
+/// One GRPO step (rollout, recomputed old log-probs, reference with β = 0.04, update) on image
+/// prompts; its seconds and phase metrics.
+fn vl_grpo_step(
+    policy: Qwen3,
+    reference: Qwen3,
+    prompts: &[Vec<u32>],
+    images: &[Vec<Arc<oxrl_models::ProcessedImage>>],
+    b: &VisionBench,
+    rng: &mut ChaCha8Rng,
+) -> Result<(f64, std::collections::BTreeMap<String, f64>)> {
+    use oxrl_algo::{AdvantageConfig, KlEstimator, LossAgg, PolicyLossConfig};
+    use oxrl_train::{
+        AlgorithmConfig, LrSchedule, OldLogprobs, PolicyTrainer, Trajectory, UpdateConfig,
+    };
+    let algorithm = AlgorithmConfig {
+        advantage: AdvantageConfig::default(),
+        policy_loss: PolicyLossConfig::default(),
+        kl_coef: 0.04,
+        kl_estimator: KlEstimator::K3,
+        loss_agg: LossAgg::TokenMean,
+        kl_loss_agg: LossAgg::TokenMean,
+        loss_scale_factor: b.new_tokens as f64,
+        old_logprobs: OldLogprobs::Recompute,
+        entropy_coef: 0.0,
+    };
+    let update = UpdateConfig {
+        temperature: 1.0,
+        mini_batch_size: None,
+        micro_batch_size: 8,
+        ppo_epochs: 1,
+        max_grad_norm: 1.0,
+        optimizer: oxrl_train::AdamWConfig {
+            lr: 1e-6,
+            ..Default::default()
+        },
+        lr_schedule: LrSchedule::Constant,
+        warmup_steps: 0,
+        total_steps: 1,
+    };
+    let mut trainer = PolicyTrainer::new(policy, Some(reference), algorithm, update)?;
+    let mut engine = LocalEngine::new(Arc::new(trainer.policy.detached()), None, Vec::new());
+    let params = SamplingParams {
+        n: b.n,
+        max_new_tokens: b.new_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let out = engine.generate_with_images(prompts, images, &params)?;
+    let rollout = start.elapsed().as_secs_f64();
+    let mut trajs = Vec::new();
+    for (p, (prompt, samples)) in prompts.iter().zip(&out).enumerate() {
+        for c in samples {
+            trajs.push(Trajectory {
+                uid: p.to_string(),
+                prompt_ids: prompt.clone(),
+                response_ids: c.response_ids.clone(),
+                reward: rng.random_range(0..2) as f64,
+                rollout_logprobs: c.logprobs.clone(),
+                finish_reason: None,
+                images: Vec::new(),
+                pixels: images[p].clone(),
+            });
+        }
+    }
+    let mut m = trainer.step(&trajs)?.metrics;
+    m.insert("time/rollout".into(), rollout);
+    let secs = start.elapsed().as_secs_f64();
+    Ok((secs, m))
+}
+
 /// W1's prompts: ~20 random tokens each, of slightly different lengths (as the peer scripts').
 fn w1_prompts(count: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Vec<Vec<u32>> {
     (0..count)
@@ -85,6 +306,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Generate(b) => generate(b),
         BenchCommand::GrpoStep(b) => grpo_step(b),
+        BenchCommand::Vision(b) => vision(b),
     }
 }
 
