@@ -5,11 +5,13 @@
 //! plug in behind the same trait.
 
 pub mod code;
+pub mod http;
 pub mod rules;
 pub mod sandbox;
 pub mod set;
 
 pub use code::{CodeReward, CodeSpec, Scoring};
+pub use http::{HttpReward, HttpSpec};
 pub use rules::{build_rule, RuleSpec};
 pub use set::{RewardOutcome, RewardSet, WeightedReward};
 
