@@ -31,9 +31,9 @@ impl HttpSpec {
     pub fn new(url: &str) -> Self {
         Self {
             url: url.to_string(),
-            timeout: Duration::from_secs(30),
-            max_retries: 3,
-            backoff: Duration::from_millis(500),
+            timeout: Duration::from_secs(3),
+            max_retries: 2,
+            backoff: Duration::from_millis(250),
             max_concurrency: 4,
             batch_size: 16,
         }
