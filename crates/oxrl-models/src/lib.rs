@@ -8,10 +8,12 @@ pub mod error;
 pub mod hub;
 pub mod kv_cache;
 pub mod qwen3;
+pub mod reward_model;
 pub mod tokenizer;
 
 pub use config::Qwen3Config;
 pub use error::{ModelError, Result};
 pub use kv_cache::{KvCache, VocabSlices};
 pub use qwen3::{BatchLogprobs, Entropy, Qwen3, ScoreRequest};
+pub use reward_model::Qwen3RewardModel;
 pub use tokenizer::{eos_token_ids, Tokenizer};

@@ -1,17 +1,19 @@
 //! oxrl-reward: scoring responses. A [`RewardFn`] sees the prompt, the response text and the
 //! dataset row's columns and returns a score; a [`RewardSet`] runs several, each with a weight,
 //! under a time limit, and turns errors and timeouts into a configured failure score that is
-//! counted, never a crash. Code correctness ([`code`], in the [`sandbox`]) and remote services
-//! plug in behind the same trait.
+//! counted, never a crash. Code correctness ([`code`], in the [`sandbox`]), reward models
+//! ([`model`]) and remote services ([`http`]) plug in behind the same trait.
 
 pub mod code;
 pub mod http;
+pub mod model;
 pub mod rules;
 pub mod sandbox;
 pub mod set;
 
 pub use code::{CodeReward, CodeSpec, Scoring};
 pub use http::{HttpReward, HttpSpec};
+pub use model::{Normalize, RewardModel, RewardModelSpec};
 pub use rules::{build_rule, RuleSpec};
 pub use set::{RewardOutcome, RewardSet, WeightedReward};
 

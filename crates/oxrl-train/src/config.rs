@@ -58,7 +58,7 @@ pub const KEYS: &[KeyDoc] = keys! {
     "reward" "functions" = "(required for sampling runs)" : "[[reward.functions]] tables: type, name, weight and the type's options";
     "reward" "failure_score" = "0.0" : "score of a reward function that fails or times out";
     "reward" "timeout_s" = "10.0" : "time limit of one reward call (one response; one batch for http)";
-    "reward.functions" "type" = "(required)" : "math_answer, exact_match, regex_match, format, length_penalty, code, http";
+    "reward.functions" "type" = "(required)" : "math_answer, exact_match, regex_match, format, length_penalty, code, http, reward_model";
     "reward.functions" "name" = "the type" : "name in metrics: reward/<name>, reward_failures/<name>, reward_latency_s/<name>";
     "reward.functions" "weight" = "1.0" : "the total reward is the weighted sum of the functions' scores";
     "reward.functions" "answer_key" = "[data] answer_key" : "math_answer, exact_match: the ground-truth column";
@@ -83,7 +83,12 @@ pub const KEYS: &[KeyDoc] = keys! {
     "reward.functions" "max_retries" = "2" : "http: retries after a transport error, timeout, 408, 429 or 5xx";
     "reward.functions" "backoff_s" = "0.25" : "http: wait before the first retry, doubled for each next one";
     "reward.functions" "max_concurrency" = "4" : "http: requests in flight at once";
-    "reward.functions" "batch_size" = "16" : "http: items per request";
+    "reward.functions" "batch_size" = "16 (http), 8 (reward_model)" : "http: items per request; reward_model: sequences per forward";
+    "reward.functions" "path" = "(required)" : "reward_model: a Qwen3ForSequenceClassification checkpoint (directory or hub id)";
+    "reward.functions" "dtype" = "\"f32\"" : "reward_model: compute dtype: f32, bf16 or f16";
+    "reward.functions" "normalize" = "\"none\"" : "reward_model: \"none\", or \"running\" (minus the running mean, over the running std)";
+    "reward.functions" "scale" = "1.0" : "reward_model: the score is scale * (normalised score) + shift";
+    "reward.functions" "shift" = "0.0" : "reward_model: added after scale";
     "algorithm" "advantage" = "\"grpo\"" : "grpo, dr_grpo, rloo, reinforce_baseline";
     "algorithm" "norm_adv_by_std" = "true (false for dr_grpo)" : "divide GRPO advantages by the group std";
     "algorithm" "adv_eps" = "1e-6" : "epsilon of the GRPO std";
@@ -116,7 +121,7 @@ pub const KEYS: &[KeyDoc] = keys! {
     "trainer" "output_dir" = "\"runs/<config name>\"" : "checkpoints, metrics.jsonl, reward.svg";
     "logging" "prometheus_port" = "none" : "serve /metrics on this port";
     "" "policy_model" = "-" : "quick-start: [model] path";
-    "" "reward_model" = "-" : "quick-start: a reward model (not available yet: an error)";
+    "" "reward_model" = "-" : "quick-start: a [[reward.functions]] table of type reward_model with this path, weight 1";
     "" "algorithm" = "-" : "quick-start: \"GRPO\", \"DR_GRPO\", \"RLOO\", \"REINFORCE_BASELINE\", \"GSPO\", \"DAPO\"";
     "" "num_gpus" = "-" : "quick-start: accelerators to use (0 or 1 on one machine today)";
     "" "batch_size" = "-" : "quick-start: [trainer] batch_size";
@@ -640,9 +645,6 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         true => join_clean(&base, &p).display().to_string(),
         false => p,
     };
-    if raw.reward_model.is_some() {
-        return Err(loc.bad("reward_model", "reward models are not available in this version yet; use rule rewards in [[reward.functions]]"));
-    }
     if let Some(n) = raw.num_gpus {
         if n > 1 {
             return Err(loc.bad("num_gpus", format!("{n} GPUs need the multi-process launcher, which this version does not have yet; use 0 or 1")));
@@ -711,7 +713,7 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
     if timeout_s.is_nan() || timeout_s <= 0.0 {
         return Err(loc.bad("reward.timeout_s", "expected a positive number of seconds"));
     }
-    let functions = raw
+    let mut functions = raw
         .reward
         .functions
         .iter()
@@ -721,6 +723,22 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
                 .map_err(|b| loc.function_err(i, b.key, &b.message))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some(path) = raw.reward_model {
+        let flat = RewardFunctionConfig {
+            kind: "reward_model".into(),
+            path: Some(path),
+            ..Default::default()
+        };
+        functions.push(
+            resolve_function(&flat, &data.answer_key, timeout_s)
+                .map_err(|b| loc.bad("reward_model", b.message))?,
+        );
+    }
+    for f in &mut functions {
+        if let RewardKind::Model(spec) = &mut f.kind {
+            spec.path = local_or_hub(std::mem::take(&mut spec.path));
+        }
+    }
     let reward = RewardConfig {
         functions,
         failure_score: raw.reward.failure_score.unwrap_or(0.0),
@@ -962,13 +980,17 @@ mod tests {
         let dr = parse("policy_model = \"m\"\nalgorithm = \"DR_GRPO\"\n").unwrap();
         assert!(!dr.algorithm.advantage.norm_adv_by_std);
         assert_eq!(dr.algorithm.loss_agg, LossAgg::SeqMeanTokenSumNorm);
-        let e = parse("policy_model = \"m\"\nreward_model = \"r\"\n")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.starts_with("dir/run.toml:2:") && e.contains("reward_model"),
-            "{e}"
+        let c = parse("policy_model = \"m\"\nreward_model = \"org/rm\"\n[[reward.functions]]\ntype = \"format\"\npattern = \"x\"\n").unwrap();
+        let f = &c.reward.functions;
+        assert_eq!(
+            (f.len(), f[1].name.as_str(), f[1].weight),
+            (2, "reward_model", 1.0)
         );
+        let RewardKind::Model(spec) = &f[1].kind else {
+            panic!("{:?}", f[1])
+        };
+        assert_eq!(spec.path, "org/rm");
+        assert_eq!(spec.normalize, oxrl_reward::Normalize::None);
     }
 
     #[test]

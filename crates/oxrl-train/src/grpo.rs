@@ -13,8 +13,8 @@ use crate::update::{PolicyTrainer, Result, TrainError};
 use candle_core::{DType, Device};
 use oxrl_models::{eos_token_ids, hub::resolve_model, Qwen3, Tokenizer};
 use oxrl_reward::{
-    build_rule, CodeReward, HttpReward, RewardFn, RewardInput, RewardOutcome, RewardSet,
-    WeightedReward,
+    build_rule, CodeReward, HttpReward, RewardFn, RewardInput, RewardModel, RewardOutcome,
+    RewardSet, WeightedReward,
 };
 use oxrl_rollout::{Completion, Engine, LocalEngine, SamplerConfig, SamplingParams};
 use std::collections::BTreeMap;
@@ -45,8 +45,9 @@ pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path) -> Result<PolicyTrainer
     PolicyTrainer::new(policy, reference, cfg.algorithm.clone(), cfg.update.clone())
 }
 
-/// The run's reward functions, built before any model loads: a code reward finds the sandbox's
-/// isolation and its interpreter here, so a machine that cannot run it stops the run at once.
+/// The run's reward functions, built before the policy loads: a code reward finds the sandbox's
+/// isolation and its interpreter here and a reward model is loaded, so a machine that cannot
+/// run them stops the run at once.
 fn reward_set(cfg: &RunConfig) -> Result<RewardSet> {
     if cfg.reward.functions.is_empty() {
         return Err(TrainError::Invalid(format!(
@@ -69,6 +70,10 @@ fn reward_set(cfg: &RunConfig) -> Result<RewardSet> {
                 Arc::new(CodeReward::new(spec.clone()).map_err(|e| invalid(e.to_string()))?)
             }
             RewardKind::Http(spec) => Arc::new(HttpReward::new(spec.clone())),
+            RewardKind::Model(spec) => {
+                let dir = resolve_model(&spec.path)?;
+                Arc::new(RewardModel::load(&dir, spec.clone()).map_err(|e| invalid(e.to_string()))?)
+            }
         };
         functions.push(WeightedReward {
             name: f.name.clone(),

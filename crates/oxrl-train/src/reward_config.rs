@@ -5,7 +5,7 @@
 use oxrl_reward::code::{CodeSpec, Scoring};
 use oxrl_reward::rules::RULE_TYPES;
 use oxrl_reward::sandbox::Limits;
-use oxrl_reward::{HttpSpec, RuleSpec};
+use oxrl_reward::{HttpSpec, Normalize, RewardModelSpec, RuleSpec};
 use serde::Deserialize;
 use std::time::Duration;
 
@@ -37,6 +37,11 @@ pub const REWARD_FUNCTION_KEYS: &[&str] = &[
     "backoff_s",
     "max_concurrency",
     "batch_size",
+    "path",
+    "dtype",
+    "normalize",
+    "scale",
+    "shift",
 ];
 
 /// Keys every type takes.
@@ -68,10 +73,12 @@ const HTTP_KEYS: &[&str] = &[
     "batch_size",
 ];
 
+const MODEL_KEYS: &[&str] = &["path", "dtype", "batch_size", "normalize", "scale", "shift"];
+
 /// Every reward type.
 pub fn reward_types() -> Vec<&'static str> {
     let mut t = RULE_TYPES.to_vec();
-    t.extend(["code", "http"]);
+    t.extend(["code", "http", "reward_model"]);
     t
 }
 
@@ -84,6 +91,7 @@ pub fn keys_of(kind: &str) -> Option<&'static [&'static str]> {
         "length_penalty" => &["target_length"],
         "code" => CODE_KEYS,
         "http" => HTTP_KEYS,
+        "reward_model" => MODEL_KEYS,
         _ => return None,
     })
 }
@@ -124,6 +132,11 @@ pub struct RewardFunctionConfig {
     pub backoff_s: Option<f64>,
     pub max_concurrency: Option<usize>,
     pub batch_size: Option<usize>,
+    pub path: Option<String>,
+    pub dtype: Option<String>,
+    pub normalize: Option<String>,
+    pub scale: Option<f64>,
+    pub shift: Option<f64>,
 }
 
 /// What a reward function is, resolved.
@@ -132,6 +145,7 @@ pub enum RewardKind {
     Rule(RuleSpec),
     Code(CodeSpec),
     Http(HttpSpec),
+    Model(RewardModelSpec),
 }
 
 /// One resolved `[[reward.functions]]` table.
@@ -188,6 +202,7 @@ pub fn resolve_function(
     let kind = match raw.kind.as_str() {
         "code" => RewardKind::Code(code_spec(raw, call_limit)?),
         "http" => RewardKind::Http(http_spec(raw, call_limit)?),
+        "reward_model" => RewardKind::Model(model_spec(raw)?),
         kind if RULE_TYPES.contains(&kind) => {
             let spec = RuleSpec {
                 kind: kind.to_string(),
@@ -325,5 +340,45 @@ fn http_spec(raw: &RewardFunctionConfig, call_limit: f64) -> Result<HttpSpec, Ba
         backoff: Duration::from_secs_f64(backoff),
         max_concurrency: at_least_one("max_concurrency", raw.max_concurrency, d.max_concurrency)?,
         batch_size: at_least_one("batch_size", raw.batch_size, d.batch_size)?,
+    })
+}
+
+fn model_spec(raw: &RewardFunctionConfig) -> Result<RewardModelSpec, BadKey> {
+    let path = raw.path.clone().ok_or_else(|| {
+        bad(
+            "path",
+            "type \"reward_model\" needs a `path` (a directory or a hub id)",
+        )
+    })?;
+    let d = RewardModelSpec::new(&path);
+    let number = |key: &'static str, v: Option<f64>, default: f64| match v.unwrap_or(default) {
+        x if x.is_finite() => Ok(x),
+        x => Err(bad(key, format!("expected a number, got {x}"))),
+    };
+    Ok(RewardModelSpec {
+        dtype: match raw.dtype.as_deref().unwrap_or("f32") {
+            "f32" => candle_core::DType::F32,
+            "bf16" => candle_core::DType::BF16,
+            "f16" => candle_core::DType::F16,
+            other => {
+                return Err(bad(
+                    "dtype",
+                    format!("expected \"f32\", \"bf16\" or \"f16\", got \"{other}\""),
+                ))
+            }
+        },
+        batch_size: at_least_one("batch_size", raw.batch_size, d.batch_size)?,
+        normalize: match &raw.normalize {
+            None => d.normalize,
+            Some(n) => Normalize::from_name(n).ok_or_else(|| {
+                bad(
+                    "normalize",
+                    format!("expected \"none\" or \"running\", got \"{n}\""),
+                )
+            })?,
+        },
+        scale: number("scale", raw.scale, d.scale)?,
+        shift: number("shift", raw.shift, d.shift)?,
+        path,
     })
 }

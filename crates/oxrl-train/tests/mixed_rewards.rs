@@ -1,6 +1,8 @@
-//! A GRPO run mixing reward types with weights from the config: a rule, the sandboxed code
-//! reward and a remote HTTP service (a real local server started here). Each function's score,
-//! failures and per-call latency reach metrics.jsonl, and the weighted total is the reward.
+//! A GRPO run mixing every reward type with weights from the config: a rule, the sandboxed code
+//! reward, a reward model (a tiny random `Qwen3ForSequenceClassification` saved here, named by
+//! the flat `reward_model` key) and a remote HTTP service (a real local server started here).
+//! Each function's score, failures and per-call latency reach metrics.jsonl, and the weighted
+//! total is the reward.
 
 use oxrl_fixtures::temp_dir;
 use oxrl_train::{GrpoRun, RunConfig};
@@ -47,6 +49,25 @@ fn reward_service() -> String {
     url
 }
 
+/// A random reward model with the demo policy's tokenizer (vocabulary 272).
+fn reward_model(dir: &Path) -> PathBuf {
+    let out = dir.join("rm");
+    let config = json!({"vocab_size": 272, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "max_position_embeddings": 128, "tie_word_embeddings": true, "num_labels": 1,
+        "pad_token_id": 256});
+    let rm = oxrl_models::Qwen3RewardModel::random(
+        config,
+        5,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    rm.save(&out, Some(&repo().join("examples/arithmetic/policy")))
+        .unwrap();
+    out
+}
+
 fn write_config(dir: &Path, url: &str) -> PathBuf {
     let data = dir.join("rows.jsonl");
     let rows: String = (0..4)
@@ -62,7 +83,8 @@ fn write_config(dir: &Path, url: &str) -> PathBuf {
     std::fs::write(
         &config,
         format!(
-            r#"[model]
+            r#"reward_model = "{rm}"
+[model]
 path = "{policy}"
 [data]
 train_files = "{data}"
@@ -96,6 +118,7 @@ output_dir = "{out}"
             policy = policy.display(),
             data = data.display(),
             out = dir.join("out").display(),
+            rm = reward_model(dir).display(),
         ),
     )
     .unwrap();
@@ -103,7 +126,7 @@ output_dir = "{out}"
 }
 
 #[test]
-fn a_run_mixes_rule_code_and_remote_rewards() {
+fn a_run_mixes_rule_code_model_and_remote_rewards() {
     let dir = temp_dir("mixed-rewards");
     let config = write_config(&dir, &reward_service());
     let cfg = RunConfig::from_file(&config).unwrap();
@@ -112,13 +135,15 @@ fn a_run_mixes_rule_code_and_remote_rewards() {
     let text = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
     let m: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     let get = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("no `{k}` in {m}"));
-    for name in ["correct", "code", "remote"] {
+    for name in ["correct", "code", "remote", "reward_model"] {
         assert_eq!(get(&format!("reward_failures/{name}")), 0.0, "{name}");
         assert!(get(&format!("reward_latency_s/{name}")) >= 0.0, "{name}");
     }
     // The tiny policy writes no code blocks: the code reward scores 0 without failing.
     assert_eq!(get("reward/code"), 0.0);
     assert_eq!(get("reward/remote"), 0.25);
-    let want = get("reward/correct") + 2.0 * 0.25;
+    let rm = get("reward/reward_model");
+    assert!(rm != 0.0 && rm.is_finite(), "{rm}");
+    let want = get("reward/correct") + 2.0 * 0.25 + rm;
     assert!((get("reward_mean") - want).abs() < 1e-12, "{m}");
 }
