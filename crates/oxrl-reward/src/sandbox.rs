@@ -789,8 +789,20 @@ mod tests {
             let o = sb.run(&["true".to_string()], &[], b"").unwrap();
             assert_eq!(o.exit, Exit::Code(0));
         });
+        let py = ["python3", "-I", "-B", "-c", "pass"].map(String::from);
+        let plain_py = time(&|| {
+            let s = Command::new("/usr/bin/python3")
+                .args(&py[1..])
+                .status()
+                .unwrap();
+            assert!(s.success());
+        });
+        let sandboxed_py = time(&|| {
+            let o = sb.run(&py, &[], b"").unwrap();
+            assert_eq!(o.exit, Exit::Code(0));
+        });
         eprintln!(
-            "true: plain {plain:.2?}, sandboxed {sandboxed:.2?} ({:?})",
+            "true: plain {plain:.2?}, sandboxed {sandboxed:.2?}; python3: plain {plain_py:.2?}, sandboxed {sandboxed_py:.2?} ({:?})",
             sb.mode()
         );
         assert!(

@@ -147,3 +147,38 @@ fn a_run_mixes_rule_code_model_and_remote_rewards() {
     let want = get("reward/correct") + 2.0 * 0.25 + rm;
     assert!((get("reward_mean") - want).abs() < 1e-12, "{m}");
 }
+
+/// `examples/code/grpo.toml` is a valid config (what `oxrl config --check` runs), and every
+/// row's reference solution passes that row's tests under its code reward.
+#[test]
+fn the_code_example_is_valid_and_its_references_pass() {
+    use oxrl_reward::RewardFn;
+    let cfg = RunConfig::from_file(&repo().join("examples/code/grpo.toml")).unwrap();
+    let code = cfg
+        .reward
+        .functions
+        .iter()
+        .find_map(|f| match &f.kind {
+            oxrl_train::config::RewardKind::Code(spec) => Some(spec.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let reward = oxrl_reward::CodeReward::new(code).unwrap();
+    let rows = std::fs::read_to_string(&cfg.data.train_files[0]).unwrap();
+    for line in rows.lines() {
+        let row: serde_json::Map<String, Value> = serde_json::from_str(line).unwrap();
+        let reference = row["reference"].as_str().unwrap().to_string();
+        let input = oxrl_reward::RewardInput {
+            prompt: row["prompt"].as_str().unwrap().into(),
+            response: format!("```python\n{reference}\n```"),
+            row: row.clone(),
+            response_tokens: 0,
+        };
+        assert_eq!(reward.score(&input).unwrap(), 1.0, "{line}");
+        let wrong = oxrl_reward::RewardInput {
+            response: "```python\nprint('?')\n```".into(),
+            ..input
+        };
+        assert!(reward.score(&wrong).unwrap() < 1.0, "{line}");
+    }
+}
