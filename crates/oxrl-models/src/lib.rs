@@ -10,6 +10,7 @@ pub mod image;
 pub mod kv_cache;
 pub mod mrope;
 pub mod qwen3;
+pub mod reward_model;
 pub mod tokenizer;
 pub mod vision;
 
@@ -19,4 +20,5 @@ pub use image::{ImageProcessorConfig, ImageSource, ProcessedImage};
 pub use kv_cache::{KvCache, VocabSlices};
 pub use mrope::VisionTokens;
 pub use qwen3::{BatchLogprobs, Entropy, ImagePrompting, Qwen3, ScoreRequest, Vision};
+pub use reward_model::Qwen3RewardModel;
 pub use tokenizer::{eos_token_ids, Tokenizer};

@@ -2,6 +2,7 @@
 //! function that errors or runs past the limit scores the failure value and is counted.
 
 use crate::{RewardFn, RewardInput};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,8 @@ pub struct RewardOutcome {
     pub per_function: Vec<(String, Vec<f64>)>,
     /// `(name, failures)`: calls that errored or timed out.
     pub failures: Vec<(String, usize)>,
-    /// `(name, mean seconds per call)`.
+    /// `(name, mean seconds per call)`: wall time of each call (one input, or one batch for
+    /// batched functions), a call past the limit counted with the time it was given.
     pub latency: Vec<(String, f64)>,
 }
 
@@ -30,8 +32,9 @@ pub struct RewardSet {
 }
 
 impl RewardSet {
-    /// Scores every input with every function. Calls run on worker threads (up to the machine's
-    /// parallelism) so one slow call does not hold the others.
+    /// Scores every input with every function. Each function's calls run on worker threads (as
+    /// many as its [`crate::Schedule`] asks, else the machine's parallelism) pulling batches
+    /// from a shared queue, so one slow call does not hold the others.
     pub fn score(&self, inputs: &[RewardInput]) -> RewardOutcome {
         let inputs: Arc<Vec<RewardInput>> = Arc::new(inputs.to_vec());
         let mut out = RewardOutcome {
@@ -39,69 +42,99 @@ impl RewardSet {
             ..Default::default()
         };
         for f in &self.functions {
-            let start = Instant::now();
-            let (scores, failed) = self.score_one(&f.function, &inputs);
-            let per_call = start.elapsed().as_secs_f64() / inputs.len().max(1) as f64;
-            for (t, s) in out.total.iter_mut().zip(&scores) {
+            let scored = self.score_one(&f.function, &inputs);
+            for (t, s) in out.total.iter_mut().zip(&scored.scores) {
                 *t += f.weight * s;
             }
-            out.per_function.push((f.name.clone(), scores));
-            out.failures.push((f.name.clone(), failed));
-            out.latency.push((f.name.clone(), per_call));
+            out.per_function.push((f.name.clone(), scored.scores));
+            out.failures.push((f.name.clone(), scored.failed));
+            out.latency.push((f.name.clone(), scored.mean_call_s));
         }
         out
     }
 
-    fn score_one(
-        &self,
-        f: &Arc<dyn RewardFn>,
-        inputs: &Arc<Vec<RewardInput>>,
-    ) -> (Vec<f64>, usize) {
-        let workers = std::thread::available_parallelism()
-            .map_or(2, |n| n.get())
-            .min(inputs.len().max(1));
-        let (tx, rx) = mpsc::channel::<(usize, Result<f64, String>)>();
-        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    fn score_one(&self, f: &Arc<dyn RewardFn>, inputs: &Arc<Vec<RewardInput>>) -> Scored {
+        let schedule = f.schedule();
+        let batch = schedule.batch_size.max(1);
+        let calls = inputs.len().div_ceil(batch);
+        let workers = schedule
+            .workers
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+            .clamp(1, calls.max(1));
+        type Done = (usize, Vec<Result<f64, String>>, Duration);
+        let (tx, rx) = mpsc::channel::<Done>();
+        let next = Arc::new(AtomicUsize::new(0));
         for _ in 0..workers {
             let (tx, f, inputs, next) = (tx.clone(), f.clone(), inputs.clone(), next.clone());
             // Detached: a call that never returns is abandoned with its thread, not waited for.
             std::thread::spawn(move || loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                if i >= inputs.len() {
+                let call = next.fetch_add(1, Ordering::SeqCst);
+                if call >= calls {
                     break;
                 }
-                let r =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f.score(&inputs[i])))
-                        .unwrap_or_else(|_| Err("the reward function panicked".into()));
-                if tx.send((i, r)).is_err() {
+                let chunk = &inputs[call * batch..((call + 1) * batch).min(inputs.len())];
+                let start = Instant::now();
+                let mut r =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f.score_batch(chunk)))
+                        .unwrap_or_else(|_| {
+                            vec![Err("the reward function panicked".into()); chunk.len()]
+                        });
+                if r.len() != chunk.len() {
+                    r = vec![
+                        Err(format!("{} scores for {} inputs", r.len(), chunk.len()));
+                        chunk.len()
+                    ];
+                }
+                if tx.send((call, r, start.elapsed())).is_err() {
                     break;
                 }
             });
         }
         drop(tx);
         let mut scores = vec![self.failure_score; inputs.len()];
-        let mut done = vec![false; inputs.len()];
+        let mut done = vec![false; calls];
         let mut failed = 0;
-        let deadline = Instant::now() + self.timeout * inputs.len().div_ceil(workers) as u32;
+        let mut call_time = Duration::ZERO;
+        let start = Instant::now();
+        let deadline = start + self.timeout * calls.div_ceil(workers) as u32;
         while done.iter().any(|d| !d) {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
-                Ok((i, Ok(s))) if s.is_finite() => {
-                    scores[i] = s;
-                    done[i] = true;
-                }
-                Ok((i, _)) => {
-                    failed += 1;
-                    done[i] = true;
+                Ok((call, results, took)) => {
+                    done[call] = true;
+                    call_time += took;
+                    for (k, r) in results.into_iter().enumerate() {
+                        match r {
+                            Ok(s) if s.is_finite() => scores[call * batch + k] = s,
+                            _ => failed += 1,
+                        }
+                    }
                 }
                 Err(_) => {
-                    failed += done.iter().filter(|d| !**d).count();
+                    // Calls still out ran past the limit: counted as failures, and as having
+                    // taken the time they were given.
+                    let late: Vec<usize> = (0..calls).filter(|&c| !done[c]).collect();
+                    for c in late {
+                        failed += ((c + 1) * batch).min(inputs.len()) - c * batch;
+                        call_time += start.elapsed();
+                    }
                     break;
                 }
             }
         }
-        (scores, failed)
+        Scored {
+            scores,
+            failed,
+            mean_call_s: call_time.as_secs_f64() / calls.max(1) as f64,
+        }
     }
+}
+
+/// One function's results over a batch.
+struct Scored {
+    scores: Vec<f64>,
+    failed: usize,
+    mean_call_s: f64,
 }
 
 #[cfg(test)]

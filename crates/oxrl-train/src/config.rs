@@ -8,6 +8,10 @@
 //! [`KEYS`] is the single list of keys with their defaults and meanings (`oxrl config --explain`).
 
 use crate::optim::{AdamWConfig, LrSchedule};
+use crate::reward_config::{applies, keys_of, resolve_function, reward_types};
+pub use crate::reward_config::{
+    RewardFunction, RewardFunctionConfig, RewardKind, REWARD_FUNCTION_KEYS,
+};
 use crate::update::{AlgorithmConfig, OldLogprobs, UpdateConfig};
 use oxrl_algo::{
     AdvantageConfig, AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, PolicyLossConfig,
@@ -55,7 +59,38 @@ pub const KEYS: &[KeyDoc] = keys! {
     "rollout" "stop" = "[]" : "stop strings";
     "reward" "functions" = "(required for sampling runs)" : "[[reward.functions]] tables: type, name, weight and the type's options";
     "reward" "failure_score" = "0.0" : "score of a reward function that fails or times out";
-    "reward" "timeout_s" = "10.0" : "time limit of one reward call";
+    "reward" "timeout_s" = "10.0" : "time limit of one reward call (one response; one batch for http)";
+    "reward.functions" "type" = "(required)" : "math_answer, exact_match, regex_match, format, length_penalty, code, http, reward_model";
+    "reward.functions" "name" = "the type" : "name in metrics: reward/<name>, reward_failures/<name>, reward_latency_s/<name>";
+    "reward.functions" "weight" = "1.0" : "the total reward is the weighted sum of the functions' scores";
+    "reward.functions" "answer_key" = "[data] answer_key" : "math_answer, exact_match: the ground-truth column";
+    "reward.functions" "tolerance" = "1e-6" : "math_answer: relative tolerance";
+    "reward.functions" "pattern" = "(required)" : "regex_match, format: the regex";
+    "reward.functions" "target_length" = "(required)" : "length_penalty: tokens before the penalty starts";
+    "reward.functions" "language" = "\"python\"" : "code: the code block's fence tag (python also takes py, python3)";
+    "reward.functions" "command" = "[\"python3\", \"-I\", \"-B\", \"{file}\"]" : "code: program and arguments, {file} = the solution file (required for other languages)";
+    "reward.functions" "file_name" = "\"main.py\" (python), \"main\"" : "code: name of the solution file";
+    "reward.functions" "tests_key" = "\"tests\"" : "code: the row column with the tests (asserts, or stdin/stdout pairs)";
+    "reward.functions" "scoring" = "\"fraction\"" : "code: \"fraction\" of tests passed, or \"all\" (1 only if every test passes)";
+    "reward.functions" "workers" = "available parallelism" : "code: sandboxed runs at once";
+    "reward.functions" "timeout_s" = "5.0 (code), 3.0 (http)" : "code: wall clock of one test run; http: one request";
+    "reward.functions" "cpu_s" = "5" : "code: CPU seconds per process";
+    "reward.functions" "memory_mb" = "1024" : "code: address space per process (MiB)";
+    "reward.functions" "file_size_mb" = "16" : "code: largest file a process may write (MiB)";
+    "reward.functions" "max_processes" = "32" : "code: processes and threads of one run";
+    "reward.functions" "max_open_files" = "64" : "code: open files per process";
+    "reward.functions" "output_bytes" = "65536" : "code: stdout and stderr kept each; more kills the run";
+    "reward.functions" "scratch_mb" = "64" : "code: size of the writable scratch directory (MiB)";
+    "reward.functions" "url" = "(required)" : "http: POST {items: [{prompt, response, row}]} here, read {scores: [...]}";
+    "reward.functions" "max_retries" = "2" : "http: retries after a transport error, timeout, 408, 429 or 5xx";
+    "reward.functions" "backoff_s" = "0.25" : "http: wait before the first retry, doubled for each next one";
+    "reward.functions" "max_concurrency" = "4" : "http: requests in flight at once";
+    "reward.functions" "batch_size" = "16 (http), 8 (reward_model)" : "http: items per request; reward_model: sequences per forward";
+    "reward.functions" "path" = "(required)" : "reward_model: a Qwen3ForSequenceClassification checkpoint (directory or hub id)";
+    "reward.functions" "dtype" = "\"f32\"" : "reward_model: compute dtype: f32, bf16 or f16";
+    "reward.functions" "normalize" = "\"none\"" : "reward_model: \"none\", or \"running\" (minus the running mean, over the running std)";
+    "reward.functions" "scale" = "1.0" : "reward_model: the score is scale * (normalised score) + shift";
+    "reward.functions" "shift" = "0.0" : "reward_model: added after scale";
     "algorithm" "advantage" = "\"grpo\"" : "grpo, dr_grpo, rloo, reinforce_baseline";
     "algorithm" "norm_adv_by_std" = "true (false for dr_grpo)" : "divide GRPO advantages by the group std";
     "algorithm" "adv_eps" = "1e-6" : "epsilon of the GRPO std";
@@ -88,23 +123,12 @@ pub const KEYS: &[KeyDoc] = keys! {
     "trainer" "output_dir" = "\"runs/<config name>\"" : "checkpoints, metrics.jsonl, reward.svg";
     "logging" "prometheus_port" = "none" : "serve /metrics on this port";
     "" "policy_model" = "-" : "quick-start: [model] path";
-    "" "reward_model" = "-" : "quick-start: a reward model (not available yet: an error)";
+    "" "reward_model" = "-" : "quick-start: a [[reward.functions]] table of type reward_model with this path, weight 1";
     "" "algorithm" = "-" : "quick-start: \"GRPO\", \"DR_GRPO\", \"RLOO\", \"REINFORCE_BASELINE\", \"GSPO\", \"DAPO\"";
     "" "num_gpus" = "-" : "quick-start: accelerators to use (0 or 1 on one machine today)";
     "" "batch_size" = "-" : "quick-start: [trainer] batch_size";
     "" "gradient_accumulation_steps" = "-" : "quick-start: [trainer] gradient_accumulation_steps";
 };
-
-/// Keys of one `[[reward.functions]]` table.
-pub const REWARD_FUNCTION_KEYS: &[&str] = &[
-    "type",
-    "name",
-    "weight",
-    "pattern",
-    "tolerance",
-    "target_length",
-    "answer_key",
-];
 
 #[derive(Debug, thiserror::Error)]
 #[error("{path}:{line}: {message}")]
@@ -161,24 +185,6 @@ struct RawRollout {
     top_k: Option<usize>,
     min_p: Option<f64>,
     stop: Option<Vec<String>>,
-}
-
-/// One `[[reward.functions]]` entry.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct RewardFunctionConfig {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub name: Option<String>,
-    #[serde(default = "one")]
-    pub weight: f64,
-    pub pattern: Option<String>,
-    pub tolerance: Option<f64>,
-    pub target_length: Option<usize>,
-    pub answer_key: Option<String>,
-}
-
-fn one() -> f64 {
-    1.0
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -282,7 +288,7 @@ pub struct RolloutConfig {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RewardConfig {
-    pub functions: Vec<RewardFunctionConfig>,
+    pub functions: Vec<RewardFunction>,
     pub failure_score: f64,
     pub timeout_s: f64,
 }
@@ -444,29 +450,96 @@ impl Located<'_> {
         Ok(())
     }
 
-    fn walk_reward_functions(&self, v: &Spanned<DeValue>) -> Result<(), ConfigError> {
+    /// Records the line of each function table and key (`reward.functions.<i>.<key>`), and
+    /// rejects unknown keys, a missing or unknown `type`, and keys of another type.
+    fn walk_reward_functions(&mut self, v: &Spanned<DeValue>) -> Result<(), ConfigError> {
         let DeValue::Array(items) = v.get_ref() else {
             return Err(self.err(
                 line_of(self.text, v.span().start),
                 "key `reward.functions`: expected [[reward.functions]] tables".into(),
             ));
         };
-        for item in items {
-            if let DeValue::Table(t) = item.get_ref() {
-                for (k, _) in t {
-                    let name = k.get_ref().as_ref();
-                    if !REWARD_FUNCTION_KEYS.contains(&name) {
-                        let valid = REWARD_FUNCTION_KEYS.iter().map(|s| s.to_string()).collect();
-                        return Err(self.unknown(
-                            &format!("reward.functions.{name}"),
-                            k.span().start,
-                            valid,
-                        ));
+        for (i, item) in items.iter().enumerate() {
+            let DeValue::Table(t) = item.get_ref() else {
+                continue;
+            };
+            let table_line = t
+                .iter()
+                .map(|(k, _)| line_of(self.text, k.span().start))
+                .min()
+                .unwrap_or_else(|| line_of(self.text, item.span().start));
+            self.lines
+                .push((format!("reward.functions.{i}"), table_line));
+            let mut kind = None;
+            for (k, value) in t {
+                let name = k.get_ref().as_ref();
+                let at = line_of(self.text, k.span().start);
+                self.lines
+                    .push((format!("reward.functions.{i}.{name}"), at));
+                if !REWARD_FUNCTION_KEYS.contains(&name) {
+                    let valid = REWARD_FUNCTION_KEYS.iter().map(|s| s.to_string()).collect();
+                    return Err(self.unknown(
+                        &format!("reward.functions.{name}"),
+                        k.span().start,
+                        valid,
+                    ));
+                }
+                if name == "type" {
+                    match value.get_ref() {
+                        DeValue::String(s) => kind = Some((s.to_string(), at)),
+                        _ => {
+                            return Err(self
+                                .err(at, "key `reward.functions.type`: expected a string".into()))
+                        }
                     }
+                }
+            }
+            let Some((kind, type_line)) = kind else {
+                return Err(self.err(
+                    table_line,
+                    format!(
+                        "[[reward.functions]] needs a `type`: one of {}",
+                        reward_types().join(", ")
+                    ),
+                ));
+            };
+            if keys_of(&kind).is_none() {
+                let hint = match closest(&kind, reward_types().into_iter()) {
+                    Some(c) => format!("; did you mean \"{c}\"?"),
+                    None => format!("; expected one of {}", reward_types().join(", ")),
+                };
+                return Err(self.err(
+                    type_line,
+                    format!("key `reward.functions.type`: unknown reward type \"{kind}\"{hint}"),
+                ));
+            }
+            for (k, _) in t {
+                let name = k.get_ref().as_ref();
+                if !applies(&kind, name) {
+                    let own = keys_of(&kind).unwrap_or_default().join(", ");
+                    return Err(self.err(
+                        line_of(self.text, k.span().start),
+                        format!("key `reward.functions.{name}` does not apply to type \"{kind}\" (its keys: {own})"),
+                    ));
                 }
             }
         }
         Ok(())
+    }
+
+    /// An error about key `key` of the `i`-th function table, at its line.
+    fn function_err(&self, i: usize, key: &str, message: &str) -> ConfigError {
+        let line = self
+            .lines
+            .iter()
+            .find(|(k, _)| *k == format!("reward.functions.{i}.{key}"))
+            .or_else(|| {
+                self.lines
+                    .iter()
+                    .find(|(k, _)| *k == format!("reward.functions.{i}"))
+            })
+            .map_or_else(|| self.line("reward"), |(_, l)| *l);
+        self.err(line, format!("key `reward.functions.{key}`: {message}"))
     }
 }
 
@@ -579,9 +652,6 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         true => join_clean(&base, &p).display().to_string(),
         false => p,
     };
-    if raw.reward_model.is_some() {
-        return Err(loc.bad("reward_model", "reward models are not available in this version yet; use rule rewards in [[reward.functions]]"));
-    }
     if let Some(n) = raw.num_gpus {
         if n > 1 {
             return Err(loc.bad("num_gpus", format!("{n} GPUs need the multi-process launcher, which this version does not have yet; use 0 or 1")));
@@ -647,14 +717,41 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         return Err(loc.bad("rollout.min_p", "expected a number in [0, 1]"));
     }
 
-    let reward = RewardConfig {
-        functions: raw.reward.functions,
-        failure_score: raw.reward.failure_score.unwrap_or(0.0),
-        timeout_s: raw.reward.timeout_s.unwrap_or(10.0),
-    };
-    if reward.timeout_s.is_nan() || reward.timeout_s <= 0.0 {
+    let timeout_s = raw.reward.timeout_s.unwrap_or(10.0);
+    if timeout_s.is_nan() || timeout_s <= 0.0 {
         return Err(loc.bad("reward.timeout_s", "expected a positive number of seconds"));
     }
+    let mut functions = raw
+        .reward
+        .functions
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            resolve_function(f, &data.answer_key, timeout_s)
+                .map_err(|b| loc.function_err(i, b.key, &b.message))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(path) = raw.reward_model {
+        let flat = RewardFunctionConfig {
+            kind: "reward_model".into(),
+            path: Some(path),
+            ..Default::default()
+        };
+        functions.push(
+            resolve_function(&flat, &data.answer_key, timeout_s)
+                .map_err(|b| loc.bad("reward_model", b.message))?,
+        );
+    }
+    for f in &mut functions {
+        if let RewardKind::Model(spec) = &mut f.kind {
+            spec.path = local_or_hub(std::mem::take(&mut spec.path));
+        }
+    }
+    let reward = RewardConfig {
+        functions,
+        failure_score: raw.reward.failure_score.unwrap_or(0.0),
+        timeout_s,
+    };
 
     let a = match raw.algorithm {
         None => RawAlgorithm::default(),
@@ -844,6 +941,10 @@ pub fn explain() -> String {
             section = d.section;
             out.push_str(&match section {
                 "" => "\n# flat quick-start keys (top level)\n".to_string(),
+                "reward.functions" => {
+                    "\n[[reward.functions]]  (each type takes the keys its meaning names)\n"
+                        .to_string()
+                }
                 s => format!("\n[{s}]\n"),
             });
         }
@@ -888,13 +989,17 @@ mod tests {
         let dr = parse("policy_model = \"m\"\nalgorithm = \"DR_GRPO\"\n").unwrap();
         assert!(!dr.algorithm.advantage.norm_adv_by_std);
         assert_eq!(dr.algorithm.loss_agg, LossAgg::SeqMeanTokenSumNorm);
-        let e = parse("policy_model = \"m\"\nreward_model = \"r\"\n")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.starts_with("dir/run.toml:2:") && e.contains("reward_model"),
-            "{e}"
+        let c = parse("policy_model = \"m\"\nreward_model = \"org/rm\"\n[[reward.functions]]\ntype = \"format\"\npattern = \"x\"\n").unwrap();
+        let f = &c.reward.functions;
+        assert_eq!(
+            (f.len(), f[1].name.as_str(), f[1].weight),
+            (2, "reward_model", 1.0)
         );
+        let RewardKind::Model(spec) = &f[1].kind else {
+            panic!("{:?}", f[1])
+        };
+        assert_eq!(spec.path, "org/rm");
+        assert_eq!(spec.normalize, oxrl_reward::Normalize::None);
     }
 
     #[test]
@@ -967,6 +1072,127 @@ mod tests {
             ]
         );
         assert_eq!(c.output_dir, PathBuf::from("runs/x"));
+    }
+
+    #[test]
+    fn code_and_http_functions_resolve_with_defaults_and_weights() {
+        let c = parse(
+            "policy_model = \"m\"\n[reward]\ntimeout_s = 30\n[[reward.functions]]\ntype = \"math_answer\"\nweight = 0.5\n[[reward.functions]]\ntype = \"code\"\nname = \"tests\"\nweight = 2.0\nscoring = \"all\"\nworkers = 3\nmemory_mb = 256\n[[reward.functions]]\ntype = \"http\"\nurl = \"http://127.0.0.1:8000/score\"\nbatch_size = 4\n",
+        )
+        .unwrap();
+        let f = &c.reward.functions;
+        assert_eq!(
+            (
+                f[0].name.as_str(),
+                f[0].weight,
+                f[1].name.as_str(),
+                f[1].weight
+            ),
+            ("math_answer", 0.5, "tests", 2.0)
+        );
+        let RewardKind::Code(code) = &f[1].kind else {
+            panic!("{:?}", f[1])
+        };
+        assert_eq!(code.scoring, oxrl_reward::Scoring::All);
+        assert_eq!(
+            (code.workers, code.limits.memory_mb, code.limits.cpu_s),
+            (3, 256, 5)
+        );
+        assert_eq!(code.command, ["python3", "-I", "-B", "{file}"]);
+        let RewardKind::Http(http) = &f[2].kind else {
+            panic!("{:?}", f[2])
+        };
+        assert_eq!(
+            (http.batch_size, http.max_retries, http.max_concurrency),
+            (4, 2, 4)
+        );
+    }
+
+    #[test]
+    fn function_tables_are_checked_per_type_with_lines() {
+        let cases = [
+            // A key of another type, at its own line.
+            (
+                "[[reward.functions]]\ntype = \"code\"\nurl = \"http://x\"\n",
+                "dir/run.toml:4:",
+                "does not apply to type \"code\"",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"cod\"\n",
+                "dir/run.toml:3:",
+                "did you mean \"code\"",
+            ),
+            (
+                "[[reward.functions]]\nname = \"x\"\n",
+                "dir/run.toml:3:",
+                "needs a `type`",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"http\"\n",
+                "dir/run.toml:3:",
+                "needs a `url`",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"http\"\nurl = \"ftp://x\"\n",
+                "dir/run.toml:4:",
+                "http://",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"code\"\nscoring = \"most\"\n",
+                "dir/run.toml:4:",
+                "\"fraction\" or \"all\"",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"code\"\nlanguage = \"bash\"\n",
+                "dir/run.toml:3:",
+                "needs a command",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"code\"\ncommand = [\"python3\"]\n",
+                "dir/run.toml:4:",
+                "{file}",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"code\"\ntimeout_s = 20\n",
+                "dir/run.toml:4:",
+                "reward.timeout_s",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"http\"\nurl = \"http://x\"\ntimeout_s = 4\n",
+                "dir/run.toml:5:",
+                "12.75 s",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"regex_match\"\npattern = \"(\"\n",
+                "dir/run.toml:4:",
+                "regex",
+            ),
+            (
+                "[[reward.functions]]\ntype = \"code\"\nworkers = 0\n",
+                "dir/run.toml:4:",
+                "at least 1",
+            ),
+        ];
+        for (table, at, want) in cases {
+            let e = parse(&format!("policy_model = \"m\"\n{table}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with(at) && e.contains(want), "{table}: {e}");
+        }
+    }
+
+    #[test]
+    fn every_function_key_is_documented() {
+        for k in REWARD_FUNCTION_KEYS {
+            assert!(
+                KEYS.iter()
+                    .any(|d| d.section == "reward.functions" && d.key == *k),
+                "{k}"
+            );
+        }
+        for d in KEYS.iter().filter(|d| d.section == "reward.functions") {
+            assert!(REWARD_FUNCTION_KEYS.contains(&d.key), "{}", d.key);
+        }
     }
 
     #[test]

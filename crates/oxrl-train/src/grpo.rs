@@ -3,6 +3,7 @@
 //! batch. Checkpoints and `--resume`, metrics, the Prometheus endpoint and the reward chart hang
 //! off the loop here.
 
+use crate::config::RewardKind;
 use crate::config::RunConfig;
 use crate::data::{load_prompts, DataCursor, DataOrder, PromptRow};
 use crate::observe::{write_svg_chart, Gauges, MetricsLog, Progress};
@@ -11,7 +12,10 @@ use crate::trajectory::Trajectory;
 use crate::update::{PolicyTrainer, Result, TrainError};
 use candle_core::{DType, Device};
 use oxrl_models::{eos_token_ids, hub::resolve_model, ImagePrompting, Qwen3, Tokenizer};
-use oxrl_reward::{build_rule, RewardInput, RewardOutcome, RewardSet, RuleSpec, WeightedReward};
+use oxrl_reward::{
+    build_rule, CodeReward, HttpReward, RewardFn, RewardInput, RewardModel, RewardOutcome,
+    RewardSet, WeightedReward,
+};
 use oxrl_rollout::{Completion, Engine, LocalEngine, SamplerConfig, SamplingParams};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -44,6 +48,9 @@ pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path) -> Result<PolicyTrainer
     PolicyTrainer::new(policy, reference, cfg.algorithm.clone(), cfg.update.clone())
 }
 
+/// The run's reward functions, built before the policy loads: a code reward finds the sandbox's
+/// isolation and its interpreter here and a reward model is loaded, so a machine that cannot
+/// run them stops the run at once.
 fn reward_set(cfg: &RunConfig) -> Result<RewardSet> {
     if cfg.reward.functions.is_empty() {
         return Err(TrainError::Invalid(format!(
@@ -53,27 +60,28 @@ fn reward_set(cfg: &RunConfig) -> Result<RewardSet> {
     }
     let mut functions = Vec::new();
     for f in &cfg.reward.functions {
-        let spec = RuleSpec {
-            kind: f.kind.clone(),
-            pattern: f.pattern.clone(),
-            tolerance: f.tolerance,
-            target_length: f.target_length,
-            answer_key: f
-                .answer_key
-                .clone()
-                .unwrap_or_else(|| cfg.data.answer_key.clone()),
-        };
-        let function = build_rule(&spec).map_err(|e| {
+        let invalid = |e: String| {
             TrainError::Invalid(format!(
-                "{}: reward.functions `{}`: {e}",
+                "{}: reward function `{}`: {e}",
                 cfg.source.display(),
-                f.kind
+                f.name
             ))
-        })?;
+        };
+        let function: Arc<dyn RewardFn> = match &f.kind {
+            RewardKind::Rule(spec) => build_rule(spec).map_err(invalid)?.into(),
+            RewardKind::Code(spec) => {
+                Arc::new(CodeReward::new(spec.clone()).map_err(|e| invalid(e.to_string()))?)
+            }
+            RewardKind::Http(spec) => Arc::new(HttpReward::new(spec.clone())),
+            RewardKind::Model(spec) => {
+                let dir = resolve_model(&spec.path)?;
+                Arc::new(RewardModel::load(&dir, spec.clone()).map_err(|e| invalid(e.to_string()))?)
+            }
+        };
         functions.push(WeightedReward {
-            name: f.name.clone().unwrap_or_else(|| f.kind.clone()),
+            name: f.name.clone(),
             weight: f.weight,
-            function: function.into(),
+            function,
         });
     }
     Ok(RewardSet {

@@ -7,6 +7,7 @@ pub mod data;
 pub mod grpo;
 pub mod observe;
 pub mod optim;
+pub mod reward_config;
 pub mod sft;
 pub mod state;
 pub mod trajectory;

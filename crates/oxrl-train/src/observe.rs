@@ -241,6 +241,21 @@ mod tests {
     }
 
     #[test]
+    fn reward_failures_and_latency_per_function_are_gauges() {
+        let g = Gauges::default();
+        g.set(&BTreeMap::from([
+            ("reward_failures/code".to_string(), 3.0),
+            ("reward_latency_s/remote".to_string(), 0.125),
+        ]));
+        let text = g.render();
+        assert!(text.contains("oxrl_reward_failures_code 3\n"), "{text}");
+        assert!(
+            text.contains("oxrl_reward_latency_s_remote 0.125\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn the_endpoint_answers_real_http() {
         use std::io::Read;
         let g = Gauges::default();
