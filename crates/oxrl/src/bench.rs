@@ -230,36 +230,8 @@ fn vl_grpo_step(
     b: &VisionBench,
     rng: &mut ChaCha8Rng,
 ) -> Result<(f64, std::collections::BTreeMap<String, f64>)> {
-    use oxrl_algo::{AdvantageConfig, KlEstimator, LossAgg, PolicyLossConfig};
-    use oxrl_train::{
-        AlgorithmConfig, LrSchedule, OldLogprobs, PolicyTrainer, Trajectory, UpdateConfig,
-    };
-    let algorithm = AlgorithmConfig {
-        advantage: AdvantageConfig::default(),
-        policy_loss: PolicyLossConfig::default(),
-        kl_coef: 0.04,
-        kl_estimator: KlEstimator::K3,
-        loss_agg: LossAgg::TokenMean,
-        kl_loss_agg: LossAgg::TokenMean,
-        loss_scale_factor: b.new_tokens as f64,
-        old_logprobs: OldLogprobs::Recompute,
-        entropy_coef: 0.0,
-    };
-    let update = UpdateConfig {
-        temperature: 1.0,
-        mini_batch_size: None,
-        micro_batch_size: 8,
-        ppo_epochs: 1,
-        max_grad_norm: 1.0,
-        optimizer: oxrl_train::AdamWConfig {
-            lr: 1e-6,
-            ..Default::default()
-        },
-        lr_schedule: LrSchedule::Constant,
-        warmup_steps: 0,
-        total_steps: 1,
-    };
-    let mut trainer = PolicyTrainer::new(policy, Some(reference), algorithm, update)?;
+    use oxrl_train::Trajectory;
+    let mut trainer = bench_trainer(policy, reference, b.new_tokens, 8, 1)?;
     let mut engine = LocalEngine::new(Arc::new(trainer.policy.detached()), None, Vec::new());
     let params = SamplingParams {
         n: b.n,
@@ -289,6 +261,50 @@ fn vl_grpo_step(
     m.insert("time/rollout".into(), rollout);
     let secs = start.elapsed().as_secs_f64();
     Ok((secs, m))
+}
+
+/// The benchmark's trainer: GRPO advantages, PPO-clip, a reference with β = 0.04 (k3),
+/// token-mean aggregation scaled by the response length, recomputed old log-probs, AdamW.
+fn bench_trainer(
+    policy: Qwen3,
+    reference: Qwen3,
+    new_tokens: usize,
+    micro_batch_size: usize,
+    total_steps: u64,
+) -> Result<oxrl_train::PolicyTrainer> {
+    use oxrl_algo::{AdvantageConfig, KlEstimator, LossAgg, PolicyLossConfig};
+    use oxrl_train::{AdamWConfig, AlgorithmConfig, LrSchedule, OldLogprobs, UpdateConfig};
+    let algorithm = AlgorithmConfig {
+        advantage: AdvantageConfig::default(),
+        policy_loss: PolicyLossConfig::default(),
+        kl_coef: 0.04,
+        kl_estimator: KlEstimator::K3,
+        loss_agg: LossAgg::TokenMean,
+        kl_loss_agg: LossAgg::TokenMean,
+        loss_scale_factor: new_tokens as f64,
+        old_logprobs: OldLogprobs::Recompute,
+        entropy_coef: 0.0,
+    };
+    let update = UpdateConfig {
+        temperature: 1.0,
+        mini_batch_size: None,
+        micro_batch_size,
+        ppo_epochs: 1,
+        max_grad_norm: 1.0,
+        optimizer: AdamWConfig {
+            lr: 1e-6,
+            ..Default::default()
+        },
+        lr_schedule: LrSchedule::Constant,
+        warmup_steps: 0,
+        total_steps,
+    };
+    Ok(oxrl_train::PolicyTrainer::new(
+        policy,
+        Some(reference),
+        algorithm,
+        update,
+    )?)
 }
 
 /// W1's prompts: ~20 random tokens each, of slightly different lengths (as the peer scripts').
@@ -404,40 +420,17 @@ fn grpo_step_flops(
 }
 
 fn grpo_step(b: GrpoStepBench) -> Result<()> {
-    use oxrl_algo::{AdvantageConfig, KlEstimator, LossAgg, PolicyLossConfig};
-    use oxrl_train::{
-        AdamWConfig, AlgorithmConfig, LrSchedule, OldLogprobs, PolicyTrainer, Trajectory,
-        UpdateConfig,
-    };
+    use oxrl_train::Trajectory;
     let peak = matmul_peak_gflops()?;
     let policy = w1_model(0)?;
     let reference = w1_model(1)?;
-    let algorithm = AlgorithmConfig {
-        advantage: AdvantageConfig::default(),
-        policy_loss: PolicyLossConfig::default(),
-        kl_coef: 0.04,
-        kl_estimator: KlEstimator::K3,
-        loss_agg: LossAgg::TokenMean,
-        kl_loss_agg: LossAgg::TokenMean,
-        loss_scale_factor: b.new_tokens as f64,
-        old_logprobs: OldLogprobs::Recompute,
-        entropy_coef: 0.0,
-    };
-    let update = UpdateConfig {
-        temperature: 1.0,
-        mini_batch_size: None,
-        micro_batch_size: b.micro_batch_size,
-        ppo_epochs: 1,
-        max_grad_norm: 1.0,
-        optimizer: AdamWConfig {
-            lr: 1e-6,
-            ..Default::default()
-        },
-        lr_schedule: LrSchedule::Constant,
-        warmup_steps: 0,
-        total_steps: b.steps as u64,
-    };
-    let mut trainer = PolicyTrainer::new(policy, Some(reference), algorithm, update)?;
+    let mut trainer = bench_trainer(
+        policy,
+        reference,
+        b.new_tokens,
+        b.micro_batch_size,
+        b.steps as u64,
+    )?;
     let mut engine = LocalEngine::new(Arc::new(trainer.policy.detached()), None, Vec::new());
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let prompts = w1_prompts(b.prompts, trainer.policy.config.vocab_size, &mut rng);

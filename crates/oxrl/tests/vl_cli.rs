@@ -247,3 +247,45 @@ fn a_vl_replay_step_trains_the_vision_tower_unless_frozen() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A short run of the vision demo: sampling, rewards and updates on image prompts raise the
+/// reward, and greedy validation on the pictures ran before and after.
+#[test]
+fn the_shapes_demo_learns() {
+    let dir = temp_dir("shapes-demo");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let shapes = repo.join("examples/shapes");
+    let text = std::fs::read_to_string(shapes.join("grpo.toml")).unwrap();
+    let data = shapes.join("data/prompts.jsonl");
+    let text = text
+        .replace(
+            "path = \"policy\"",
+            &format!("path = \"{}\"", s(&shapes.join("policy"))),
+        )
+        .replace("\"data/prompts.jsonl\"", &format!("\"{}\"", s(&data)))
+        .replace("max_steps = 60", &format!("max_steps = {DEMO_TEST_STEPS}"));
+    let config = dir.join("grpo.toml");
+    std::fs::write(&config, text).unwrap();
+    let out = dir.join("run");
+    let r = oxrl(&["train", "--config", s(&config), "--output-dir", s(&out)]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let lines: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let rewards: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l["reward_mean"].as_f64())
+        .collect();
+    assert_eq!(rewards.len(), DEMO_TEST_STEPS);
+    let first: f64 = rewards[..10].iter().sum::<f64>() / 10.0;
+    let last: f64 = rewards[rewards.len() - 10..].iter().sum::<f64>() / 10.0;
+    assert!(last - first >= 0.1, "reward {first:.3} → {last:.3}");
+    assert!(lines[0]["val/reward_mean"].is_number());
+    assert!(lines.last().unwrap()["val/reward/correct"].is_number());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Steps of the demo's CI run (the full demo runs 60).
+const DEMO_TEST_STEPS: usize = 40;
