@@ -249,13 +249,27 @@ impl VisualInjection {
         images: &[&ProcessedImage],
         device: &Device,
     ) -> Result<Self> {
-        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+        // The n samples of a GRPO group share their prompt's images (one `Arc`): the tower runs
+        // once per distinct image and its rows are gathered per use (the gather's backward
+        // sums the uses' gradients, as separate forwards would).
+        let mut distinct: Vec<&ProcessedImage> = Vec::new();
+        let mut which = Vec::with_capacity(images.len());
+        for &img in images {
+            match distinct.iter().position(|d| std::ptr::eq(*d, img)) {
+                Some(k) => which.push(k),
+                None => {
+                    which.push(distinct.len());
+                    distinct.push(img);
+                }
+            }
+        }
+        let grids: Vec<[usize; 3]> = distinct.iter().map(|i| i.grid_thw).collect();
         let rows: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
-        let mut pixels = Vec::with_capacity(rows * vision.tower.config.patch_dim());
-        for img in images {
+        let dim = vision.tower.config.patch_dim();
+        let mut pixels = Vec::with_capacity(rows * dim);
+        for img in &distinct {
             pixels.extend_from_slice(&img.pixel_values);
         }
-        let dim = vision.tower.config.patch_dim();
         if pixels.len() != rows * dim {
             return Err(ModelError::InvalidInput(format!(
                 "image pixel values hold {} numbers; their grids {grids:?} need {}",
@@ -263,9 +277,30 @@ impl VisualInjection {
                 rows * dim
             )));
         }
-        let out = vision
+        let mut out = vision
             .tower
             .forward(&Tensor::from_vec(pixels, (rows, dim), device)?, &grids)?;
+        if distinct.len() < images.len() {
+            let merged = |g: &[usize; 3]| vision.tokens.tokens_of(*g);
+            let starts: Vec<usize> = grids
+                .iter()
+                .scan(0, |at, g| {
+                    let s = *at;
+                    *at += merged(g);
+                    Some(s)
+                })
+                .collect();
+            let gather: Vec<u32> = which
+                .iter()
+                .flat_map(|&k| (starts[k]..starts[k] + merged(&grids[k])).map(|r| r as u32))
+                .collect();
+            let n = gather.len();
+            let gather = Tensor::from_vec(gather, n, device)?;
+            out.embeds = out.embeds.index_select(&gather, 0)?;
+            for f in &mut out.deepstack {
+                *f = f.index_select(&gather, 0)?;
+            }
+        }
         let image_token = vision.tokens.image_token_id;
         let index: Vec<u32> = (0..flat_ids.len() as u32)
             .filter(|&i| flat_ids[i as usize] == image_token)

@@ -248,32 +248,46 @@ fn a_vl_replay_step_trains_the_vision_tower_unless_frozen() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The vision demo's config with absolute paths, `steps` steps and `edits` applied.
+fn shapes_config(dir: &Path, steps: usize, edits: &[(&str, &str)]) -> std::path::PathBuf {
+    let shapes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/shapes");
+    let mut text = std::fs::read_to_string(shapes.join("grpo.toml"))
+        .unwrap()
+        .replace(
+            "path = \"policy\"",
+            &format!("path = \"{}\"", s(&shapes.join("policy"))),
+        )
+        .replace(
+            "\"data/prompts.jsonl\"",
+            &format!("\"{}\"", s(&shapes.join("data/prompts.jsonl"))),
+        )
+        .replace("max_steps = 60", &format!("max_steps = {steps}"));
+    for (from, to) in edits {
+        text = text.replace(from, to);
+    }
+    let config = dir.join("grpo.toml");
+    std::fs::write(&config, text).unwrap();
+    config
+}
+
+fn metrics(out: &Path) -> Vec<Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 /// A short run of the vision demo: sampling, rewards and updates on image prompts raise the
 /// reward, and greedy validation on the pictures ran before and after.
 #[test]
 fn the_shapes_demo_learns() {
     let dir = temp_dir("shapes-demo");
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let shapes = repo.join("examples/shapes");
-    let text = std::fs::read_to_string(shapes.join("grpo.toml")).unwrap();
-    let data = shapes.join("data/prompts.jsonl");
-    let text = text
-        .replace(
-            "path = \"policy\"",
-            &format!("path = \"{}\"", s(&shapes.join("policy"))),
-        )
-        .replace("\"data/prompts.jsonl\"", &format!("\"{}\"", s(&data)))
-        .replace("max_steps = 60", &format!("max_steps = {DEMO_TEST_STEPS}"));
-    let config = dir.join("grpo.toml");
-    std::fs::write(&config, text).unwrap();
+    let config = shapes_config(&dir, DEMO_TEST_STEPS, &[]);
     let out = dir.join("run");
     let r = oxrl(&["train", "--config", s(&config), "--output-dir", s(&out)]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    let lines: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = metrics(&out);
     let rewards: Vec<f64> = lines
         .iter()
         .filter_map(|l| l["reward_mean"].as_f64())
@@ -284,6 +298,43 @@ fn the_shapes_demo_learns() {
     assert!(last - first >= 0.1, "reward {first:.3} → {last:.3}");
     assert!(lines[0]["val/reward_mean"].is_number());
     assert!(lines.last().unwrap()["val/reward/correct"].is_number());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A VL run of 4 steps equals one of 2 steps resumed for 2 more: weights (vision tower
+/// included) and rewards; checkpoints carry the image processor's settings.
+#[test]
+fn a_vl_run_resumes_exactly() {
+    let dir = temp_dir("vl-resume");
+    let config = shapes_config(
+        &dir,
+        4,
+        &[
+            ("batch_size = 16", "batch_size = 4"),
+            ("save_every = 20", "save_every = 2"),
+            ("eval_every = 20", "eval_every = 100"),
+        ],
+    );
+    let (whole, split) = (dir.join("whole"), dir.join("split"));
+    let run = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["train", "--config", s(&config), "--output-dir", s(out)];
+        args.extend(extra);
+        let r = oxrl(&args);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    };
+    run(&whole, &[]);
+    run(&split, &["--max-steps", "2"]);
+    run(&split, &["--resume"]);
+    let ckpt = |d: &Path| safetensors(&d.join("checkpoint-4/model.safetensors"));
+    assert_eq!(ckpt(&whole), ckpt(&split), "resumed weights differ");
+    let rewards = |d: &Path| -> Vec<f64> {
+        metrics(d)
+            .iter()
+            .filter_map(|l| l["reward_mean"].as_f64())
+            .collect()
+    };
+    assert_eq!(rewards(&whole), rewards(&split));
+    assert!(whole.join("checkpoint-4/preprocessor_config.json").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
