@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 mod common;
 
-use common::{tokenizer_json, write};
+use common::{tokenizer_json, warm_up, write};
 
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 const CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
@@ -91,28 +91,17 @@ fn main() {
     write(&root.join("data/sft.jsonl"), &sft);
 
     // Warm up with SFT into policy/.
-    let sft_config = root.join("sft.toml");
-    let text = std::fs::read_to_string(&sft_config).expect("examples/arithmetic/sft.toml");
-    let text = text.replace("__INIT__", &init.display().to_string());
-    let tmp_config = root.join(".sft.resolved.toml");
-    write(&tmp_config, &text);
-    let mut cfg = oxrl_train::RunConfig::from_file(&tmp_config).expect("valid sft.toml");
-    let out = std::env::temp_dir().join("oxrl-arithmetic-sft");
-    let _ = std::fs::remove_dir_all(&out);
-    cfg.output_dir = out.clone();
-    let last = oxrl_train::sft::run(&cfg, false).expect("sft");
-    let _ = std::fs::remove_file(&tmp_config);
-    let policy = root.join("policy");
-    let _ = std::fs::remove_dir_all(&policy);
-    std::fs::create_dir_all(&policy).expect("policy dir");
-    for f in [
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        std::fs::copy(last.join(f), policy.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
-    }
+    warm_up(
+        &root,
+        &init,
+        "arithmetic",
+        &[
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ],
+    );
     println!("wrote {}", root.display());
 }

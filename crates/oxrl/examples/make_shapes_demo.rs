@@ -16,7 +16,7 @@
 mod common;
 
 use candle_core::{DType, Device};
-use common::{tokenizer_json, write};
+use common::{tokenizer_json, warm_up, write};
 use oxrl_models::Qwen3;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -152,29 +152,18 @@ fn main() {
     write(&root.join("data/sft.jsonl"), &sft);
 
     // Warm up with SFT into policy/.
-    let sft_config = root.join("sft.toml");
-    let text = std::fs::read_to_string(&sft_config).expect("examples/shapes/sft.toml");
-    let text = text.replace("__INIT__", &init.display().to_string());
-    let tmp_config = root.join(".sft.resolved.toml");
-    write(&tmp_config, &text);
-    let mut cfg = oxrl_train::RunConfig::from_file(&tmp_config).expect("valid sft.toml");
-    let out = std::env::temp_dir().join("oxrl-shapes-sft");
-    let _ = std::fs::remove_dir_all(&out);
-    cfg.output_dir = out.clone();
-    let last = oxrl_train::sft::run(&cfg, false).expect("sft");
-    let _ = std::fs::remove_file(&tmp_config);
-    let policy = root.join("policy");
-    let _ = std::fs::remove_dir_all(&policy);
-    std::fs::create_dir_all(&policy).expect("policy dir");
-    for f in [
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-        "preprocessor_config.json",
-    ] {
-        std::fs::copy(last.join(f), policy.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
-    }
+    warm_up(
+        &root,
+        &init,
+        "shapes",
+        &[
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "preprocessor_config.json",
+        ],
+    );
     println!("wrote {}", root.display());
 }

@@ -230,7 +230,6 @@ fn vl_grpo_step(
     b: &VisionBench,
     rng: &mut ChaCha8Rng,
 ) -> Result<(f64, std::collections::BTreeMap<String, f64>)> {
-    use oxrl_train::Trajectory;
     let mut trainer = bench_trainer(policy, reference, b.new_tokens, 8, 1)?;
     let mut engine = LocalEngine::new(Arc::new(trainer.policy.detached()), None, Vec::new());
     let params = SamplingParams {
@@ -242,21 +241,7 @@ fn vl_grpo_step(
     let start = Instant::now();
     let out = engine.generate_with_images(prompts, images, &params)?;
     let rollout = start.elapsed().as_secs_f64();
-    let mut trajs = Vec::new();
-    for (p, (prompt, samples)) in prompts.iter().zip(&out).enumerate() {
-        for c in samples {
-            trajs.push(Trajectory {
-                uid: p.to_string(),
-                prompt_ids: prompt.clone(),
-                response_ids: c.response_ids.clone(),
-                reward: rng.random_range(0..2) as f64,
-                rollout_logprobs: c.logprobs.clone(),
-                finish_reason: None,
-                images: Vec::new(),
-                pixels: images[p].clone(),
-            });
-        }
-    }
+    let trajs = random_reward_trajectories(prompts, images, &out, rng);
     let mut m = trainer.step(&trajs)?.metrics;
     m.insert("time/rollout".into(), rollout);
     let secs = start.elapsed().as_secs_f64();
@@ -305,6 +290,32 @@ fn bench_trainer(
         algorithm,
         update,
     )?)
+}
+
+/// The benchmark's trajectories: every completion of prompt `p` (with `images[p]`, when
+/// given) in group `p`, with a random 0/1 reward.
+fn random_reward_trajectories(
+    prompts: &[Vec<u32>],
+    images: &[Vec<Arc<oxrl_models::ProcessedImage>>],
+    completions: &[Vec<oxrl_rollout::Completion>],
+    rng: &mut ChaCha8Rng,
+) -> Vec<oxrl_train::Trajectory> {
+    let mut trajs = Vec::new();
+    for (p, (prompt, samples)) in prompts.iter().zip(completions).enumerate() {
+        for c in samples {
+            trajs.push(oxrl_train::Trajectory {
+                uid: p.to_string(),
+                prompt_ids: prompt.clone(),
+                response_ids: c.response_ids.clone(),
+                reward: rng.random_range(0..2) as f64,
+                rollout_logprobs: c.logprobs.clone(),
+                finish_reason: None,
+                images: Vec::new(),
+                pixels: images.get(p).cloned().unwrap_or_default(),
+            });
+        }
+    }
+    trajs
 }
 
 /// W1's prompts: ~20 random tokens each, of slightly different lengths (as the peer scripts').
@@ -420,7 +431,6 @@ fn grpo_step_flops(
 }
 
 fn grpo_step(b: GrpoStepBench) -> Result<()> {
-    use oxrl_train::Trajectory;
     let peak = matmul_peak_gflops()?;
     let policy = w1_model(0)?;
     let reference = w1_model(1)?;
@@ -451,21 +461,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
             },
         )?;
         let rollout = start.elapsed().as_secs_f64();
-        let mut trajs = Vec::new();
-        for (p, (prompt, samples)) in prompts.iter().zip(&out).enumerate() {
-            for c in samples {
-                trajs.push(Trajectory {
-                    uid: p.to_string(),
-                    prompt_ids: prompt.clone(),
-                    response_ids: c.response_ids.clone(),
-                    reward: rng.random_range(0..2) as f64,
-                    rollout_logprobs: c.logprobs.clone(),
-                    finish_reason: None,
-                    images: Vec::new(),
-                    pixels: Vec::new(),
-                });
-            }
-        }
+        let trajs = random_reward_trajectories(&prompts, &[], &out, &mut rng);
         let mut m = trainer.step(&trajs)?.metrics;
         m.insert("time/rollout".into(), rollout);
         m.insert("time/step".into(), start.elapsed().as_secs_f64());

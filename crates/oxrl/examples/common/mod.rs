@@ -1,7 +1,8 @@
-//! Pieces the demo generators share: a byte-level tokenizer and file writing.
+//! Pieces the demo generators share: a byte-level tokenizer, file writing, and the SFT warm-up
+//! that turns a random policy into the demo's shipped one.
 
 use serde_json::{json, Value};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// GPT-2's byte → printable-character map used by byte-level BPE.
 pub fn byte_chars() -> Vec<char> {
@@ -53,4 +54,29 @@ pub fn tokenizer_json(specials: &[&str]) -> Value {
 pub fn write(path: &Path, text: &str) {
     std::fs::create_dir_all(path.parent().expect("a parent")).expect("create dir");
     std::fs::write(path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
+
+/// Runs `<root>/sft.toml` (its `__INIT__` replaced by `init`, the random policy) and copies the
+/// last checkpoint's `files` into `<root>/policy/`.
+pub fn warm_up(root: &Path, init: &Path, name: &str, files: &[&str]) {
+    let sft_config = root.join("sft.toml");
+    let text = std::fs::read_to_string(&sft_config)
+        .unwrap_or_else(|e| panic!("{}: {e}", sft_config.display()));
+    let tmp_config = root.join(".sft.resolved.toml");
+    write(
+        &tmp_config,
+        &text.replace("__INIT__", &init.display().to_string()),
+    );
+    let mut cfg = oxrl_train::RunConfig::from_file(&tmp_config).expect("valid sft.toml");
+    let out: PathBuf = std::env::temp_dir().join(format!("oxrl-{name}-sft"));
+    let _ = std::fs::remove_dir_all(&out);
+    cfg.output_dir = out;
+    let last = oxrl_train::sft::run(&cfg, false).expect("sft");
+    let _ = std::fs::remove_file(&tmp_config);
+    let policy = root.join("policy");
+    let _ = std::fs::remove_dir_all(&policy);
+    std::fs::create_dir_all(&policy).expect("policy dir");
+    for f in files {
+        std::fs::copy(last.join(f), policy.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+    }
 }
