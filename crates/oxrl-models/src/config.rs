@@ -24,17 +24,21 @@ pub struct Qwen3Config {
     pub stored_dtype: Option<String>,
 }
 
+/// A checkpoint's JSON file (`config.json`, `preprocessor_config.json`); errors name the file.
+pub fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| ModelError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 impl Qwen3Config {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let value: Value = serde_json::from_str(&text).map_err(|source| ModelError::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_value(&value, path)
+        Self::from_value(&read_json(path)?, path)
     }
 
     pub fn from_value(v: &Value, path: &Path) -> Result<Self> {

@@ -164,14 +164,7 @@ impl ImagePrompting {
     /// when it is a text-only model.
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let v: Value = serde_json::from_str(&text).map_err(|source| ModelError::Json {
-            path: path.clone(),
-            source,
-        })?;
+        let v: Value = crate::config::read_json(&path)?;
         let Some((_, tokens)) = parse_config(&v, &path)?.1 else {
             return Ok(None);
         };
@@ -438,15 +431,7 @@ const SCORE_LOGIT_ELEMENTS: usize = 1 << 27;
 impl Qwen3 {
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io {
-            path: config_path.clone(),
-            source,
-        })?;
-        let config_json: Value =
-            serde_json::from_str(&text).map_err(|source| ModelError::Json {
-                path: config_path.clone(),
-                source,
-            })?;
+        let config_json: Value = crate::config::read_json(&config_path)?;
         let tensors = load_tensors(dir, dtype, device)?;
         let mut model = Self::from_tensors(config_json, &config_path, tensors, dtype, device)?;
         if let Some(vision) = &mut model.vision {

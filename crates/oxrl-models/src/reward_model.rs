@@ -41,15 +41,7 @@ impl Qwen3RewardModel {
     /// another model, or without `score.weight`, is an error naming the file.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io {
-            path: config_path.clone(),
-            source,
-        })?;
-        let config_json: Value =
-            serde_json::from_str(&text).map_err(|source| ModelError::Json {
-                path: config_path.clone(),
-                source,
-            })?;
+        let config_json: Value = crate::config::read_json(&config_path)?;
         if let Some(archs) = config_json.get("architectures").and_then(Value::as_array) {
             if !archs.iter().any(|a| a.as_str() == Some(ARCHITECTURE)) {
                 return Err(ModelError::ConfigKey {

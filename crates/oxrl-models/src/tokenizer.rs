@@ -3,6 +3,7 @@
 //! the generation engine need.
 
 use crate::chat_template::ChatTemplate;
+use crate::config::read_json;
 use crate::error::{ModelError, Result};
 use serde_json::{Map, Value};
 use std::path::Path;
@@ -16,17 +17,6 @@ pub struct Tokenizer {
     pub eos_token_id: Option<u32>,
     /// The id of `pad_token` from tokenizer_config.json, if any.
     pub pad_token_id: Option<u32>,
-}
-
-pub(crate) fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    serde_json::from_str(&text).map_err(|source| ModelError::Json {
-        path: path.to_path_buf(),
-        source,
-    })
 }
 
 /// A special token in tokenizer_config.json: a plain string or an `AddedToken` object.

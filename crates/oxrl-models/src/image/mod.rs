@@ -51,14 +51,7 @@ impl ImageProcessorConfig {
     /// Reads `preprocessor_config.json`; both `size.{shortest,longest}_edge` and the legacy
     /// `min_pixels` / `max_pixels` (which win when both are present, as transformers maps them).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let v: Value = serde_json::from_str(&text).map_err(|source| ModelError::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let v: Value = crate::config::read_json(path)?;
         Self::from_value(&v, path)
     }
 
