@@ -4,6 +4,7 @@
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod hub;
 pub mod image;
@@ -15,6 +16,7 @@ pub mod tokenizer;
 pub mod vision;
 
 pub use config::Qwen3Config;
+pub use device::{DeviceError, DeviceSpec, HOST};
 pub use error::{ModelError, Result};
 pub use image::{ImageProcessorConfig, ImageSource, ProcessedImage};
 pub use kv_cache::{KvCache, VocabSlices};

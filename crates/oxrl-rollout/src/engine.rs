@@ -1,10 +1,62 @@
-//! The engine seam: token ids in, sampled token ids with their log-probabilities out. The local
-//! engine implements it over a Qwen3 in this process; a remote server (vLLM, SGLang) can implement
-//! it over HTTP without the trainer noticing.
+//! The engine seam: token ids in, sampled token ids with their log-probabilities out, each
+//! completion stamped with the weight version that sampled it. The local engine implements it
+//! over a Qwen3 in this process; a remote server (vLLM, `oxrl serve`) implements it over HTTP
+//! without the trainer noticing.
+//!
+//! Weights move only through [`Engine::sync_weights`], which also advances the engine's
+//! [`WeightVersion`]. The trainer checks every completion's version against its own, so an
+//! engine that silently kept sampling from old weights (the stale-weight bug of the Python
+//! stacks) stops the run instead of quietly training off-policy.
 
 use crate::sampler::SamplerConfig;
-use oxrl_models::ProcessedImage;
+use candle_core::Tensor;
+use oxrl_models::{ModelError, ProcessedImage, Qwen3};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
 use std::sync::Arc;
+
+/// Which weights sampled a completion: 0 is the policy a run started from (or resumed at, as
+/// its step), and the trainer's version after `k` updates is `k`. Versions only grow.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct WeightVersion(pub u64);
+
+impl std::fmt::Display for WeightVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "v{}", self.0)
+    }
+}
+
+/// What an engine may read from the trainer's policy when it takes new weights. A remote server
+/// is sent a saved checkpoint or the named tensors; an engine that shares the trainer's storage
+/// reads nothing.
+pub trait PolicyWeights {
+    /// Every weight under its checkpoint (Hugging Face) name.
+    fn named_weights(&self) -> Vec<(String, Tensor)>;
+    /// Writes the policy as a Hugging Face model directory, as a server reloads it from disk.
+    fn save_pretrained(&self, dir: &Path) -> std::result::Result<(), ModelError>;
+}
+
+impl PolicyWeights for Qwen3 {
+    fn named_weights(&self) -> Vec<(String, Tensor)> {
+        self.named_parameters()
+    }
+
+    fn save_pretrained(&self, dir: &Path) -> std::result::Result<(), ModelError> {
+        self.save(dir, None)
+    }
+}
+
+/// One image of a prompt: the processed pixels the local model reads, and where the picture
+/// came from, for a server that takes images by reference or bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptImage {
+    pub pixels: Arc<ProcessedImage>,
+    /// An absolute path or a `data:` URL; `None` for a picture made in memory.
+    pub source: Option<String>,
+}
 
 /// How to sample, shared by every prompt of one [`Engine::generate`] call.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,12 +116,20 @@ pub struct Completion {
     pub finish_reason: FinishReason,
     /// The decoded response (special tokens skipped), when the engine has a tokenizer.
     pub text: Option<String>,
+    /// The weights that sampled it.
+    pub weight_version: WeightVersion,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error("{0}")]
     InvalidRequest(String),
+    /// A weight sync that would move the engine back to older weights.
+    #[error("weight sync to {to} would go back from {current}: versions only grow")]
+    VersionBackwards {
+        current: WeightVersion,
+        to: WeightVersion,
+    },
     #[error(transparent)]
     Model(#[from] oxrl_models::ModelError),
     #[error(transparent)]
@@ -80,10 +140,17 @@ pub type Result<T> = std::result::Result<T, EngineError>;
 
 /// The images of each prompt of a [`Engine::generate_with_images`] call, in the order their
 /// (already expanded) image tokens appear.
-pub type PromptImages = [Vec<Arc<ProcessedImage>>];
+pub type PromptImages = [Vec<PromptImage>];
 
 /// A generation backend.
 pub trait Engine {
+    /// The version of the weights the next `generate` samples from.
+    fn weight_version(&self) -> WeightVersion;
+
+    /// Makes the engine sample from `policy`'s current weights, as `version`, before the next
+    /// `generate` returns anything. `version` must not be older than the engine's.
+    fn sync_weights(&mut self, policy: &dyn PolicyWeights, version: WeightVersion) -> Result<()>;
+
     /// `params.n` completions for each prompt, as `result[prompt][sample]`; `images[i]` are
     /// prompt `i`'s images (vision-language models), or `images` is empty for text prompts.
     fn generate_with_images(

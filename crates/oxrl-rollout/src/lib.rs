@@ -1,11 +1,15 @@
 //! oxrl-rollout: the generation engine. Many prompts of different lengths decode together with
 //! per-sequence KV caches, `n` samples per prompt share the prompt's prefill, and every sampled
-//! token comes back with its log-probability, behind the [`Engine`] trait.
+//! token comes back with its log-probability and the weight version that sampled it, behind the
+//! [`Engine`] trait.
 
 pub mod engine;
 pub mod local;
 pub mod sampler;
 
-pub use engine::{Completion, Engine, EngineError, FinishReason, PromptImages, SamplingParams};
+pub use engine::{
+    Completion, Engine, EngineError, FinishReason, PolicyWeights, PromptImage, PromptImages,
+    SamplingParams, WeightVersion,
+};
 pub use local::LocalEngine;
 pub use sampler::{SamplerConfig, SamplerScratch};

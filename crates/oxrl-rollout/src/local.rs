@@ -5,7 +5,8 @@
 //! sequence in one forward. Finished sequences leave and free room for waiting prompts.
 
 use crate::engine::{
-    Completion, Engine, EngineError, FinishReason, PromptImages, Result, SamplingParams,
+    Completion, Engine, EngineError, FinishReason, PolicyWeights, PromptImages, Result,
+    SamplingParams, WeightVersion,
 };
 use crate::sampler::SamplerScratch;
 use oxrl_models::{KvCache, ProcessedImage, Qwen3, Tokenizer, VocabSlices};
@@ -33,6 +34,8 @@ pub struct LocalEngine {
     /// Most prompt tokens prefilled in one forward (a longer prompt still goes alone).
     pub max_prefill_tokens: usize,
     progress: Option<ProgressFn>,
+    /// The version of the weights in `model`'s storage, as the last sync named it.
+    version: WeightVersion,
 }
 
 struct Sequence {
@@ -100,16 +103,8 @@ impl LocalEngine {
             max_num_seqs: 256,
             max_prefill_tokens: 8192,
             progress: None,
+            version: WeightVersion::default(),
         }
-    }
-
-    /// Swaps in new weights (after an optimizer step); the next `generate` uses them.
-    pub fn set_model(&mut self, model: Arc<Qwen3>) {
-        self.model = model;
-    }
-
-    pub fn model(&self) -> &Arc<Qwen3> {
-        &self.model
     }
 
     /// Calls `f` after every engine step, e.g. to draw a progress bar.
@@ -151,8 +146,10 @@ impl LocalEngine {
             }
             self.model.validate_ids(p, &format!("prompt {i}"))?;
             if let Some(imgs) = images.get(i) {
+                let pixels: Vec<Arc<ProcessedImage>> =
+                    imgs.iter().map(|im| im.pixels.clone()).collect();
                 self.model
-                    .validate_images(p, imgs, &format!("prompt {i}"))?;
+                    .validate_images(p, &pixels, &format!("prompt {i}"))?;
             }
         }
         if !images.is_empty() && images.len() != prompts.len() {
@@ -207,11 +204,29 @@ impl LocalEngine {
             logprobs: seq.logprobs,
             finish_reason: seq.finish.unwrap_or(FinishReason::Length),
             text,
+            weight_version: self.version,
         })
     }
 }
 
 impl Engine for LocalEngine {
+    fn weight_version(&self) -> WeightVersion {
+        self.version
+    }
+
+    /// The model shares its storage with the trainer's variables, whose optimizer step already
+    /// wrote the new weights in place: a sync only records their version.
+    fn sync_weights(&mut self, _policy: &dyn PolicyWeights, version: WeightVersion) -> Result<()> {
+        if version < self.version {
+            return Err(EngineError::VersionBackwards {
+                current: self.version,
+                to: version,
+            });
+        }
+        self.version = version;
+        Ok(())
+    }
+
     fn generate_with_images(
         &mut self,
         prompts: &[Vec<u32>],
@@ -254,10 +269,16 @@ impl Engine for LocalEngine {
             if !admit.is_empty() {
                 let mut caches: Vec<KvCache> = admit.iter().map(|_| model.new_cache()).collect();
                 let chunks: Vec<&[u32]> = admit.iter().map(|&p| prompts[p].as_slice()).collect();
-                let chunk_images: Vec<&[Arc<ProcessedImage>]> = admit
+                let admitted_images: Vec<Vec<Arc<ProcessedImage>>> = admit
                     .iter()
-                    .map(|&p| images.get(p).map_or(&[][..], Vec::as_slice))
+                    .map(|&p| {
+                        images.get(p).map_or(Vec::new(), |im| {
+                            im.iter().map(|i| i.pixels.clone()).collect()
+                        })
+                    })
                     .collect();
+                let chunk_images: Vec<&[Arc<ProcessedImage>]> =
+                    admitted_images.iter().map(Vec::as_slice).collect();
                 let logits = model.forward_cached_with(
                     &chunks,
                     &chunk_images,

@@ -4,7 +4,9 @@
 use candle_core::{DType, Device};
 use oxrl_fixtures::{fixture, ids, jsonl};
 use oxrl_models::{Qwen3, ScoreRequest, Tokenizer};
-use oxrl_rollout::{Engine, FinishReason, LocalEngine, SamplerConfig, SamplingParams};
+use oxrl_rollout::{
+    Engine, EngineError, FinishReason, LocalEngine, SamplerConfig, SamplingParams, WeightVersion,
+};
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -212,4 +214,34 @@ fn bad_requests_are_errors() {
         let e = engine.generate(&prompts, &params).unwrap_err().to_string();
         assert!(e.contains(want), "{e} should mention {want}");
     }
+}
+
+/// Completions carry the version the last sync named; syncs move it forward (or repeat it),
+/// never back.
+#[test]
+fn completions_carry_the_synced_weight_version() {
+    let model = tiny();
+    let mut engine = LocalEngine::new(model.clone(), None, vec![]);
+    let prompts = prompts();
+    let one = &prompts[..1];
+    assert_eq!(engine.weight_version(), WeightVersion(0));
+    let before = engine.generate(one, &greedy(3)).unwrap();
+    assert_eq!(before[0][0].weight_version, WeightVersion(0));
+    engine
+        .sync_weights(model.as_ref(), WeightVersion(2))
+        .unwrap();
+    engine
+        .sync_weights(model.as_ref(), WeightVersion(2))
+        .unwrap();
+    let after = engine.generate(one, &greedy(3)).unwrap();
+    assert_eq!(after[0][0].weight_version, WeightVersion(2));
+    let back = engine.sync_weights(model.as_ref(), WeightVersion(1));
+    assert!(matches!(
+        back,
+        Err(EngineError::VersionBackwards {
+            current: WeightVersion(2),
+            to: WeightVersion(1)
+        })
+    ));
+    assert_eq!(engine.weight_version(), WeightVersion(2));
 }

@@ -16,6 +16,7 @@ use crate::update::{AlgorithmConfig, OldLogprobs, UpdateConfig};
 use oxrl_algo::{
     AdvantageConfig, AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, PolicyLossConfig,
 };
+use oxrl_models::DeviceSpec;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use toml::de::{DeTable, DeValue};
@@ -39,6 +40,7 @@ macro_rules! keys {
 pub const KEYS: &[KeyDoc] = keys! {
     "model" "path" = "(required)" : "policy checkpoint: a directory or a hub id";
     "model" "dtype" = "\"f32\"" : "compute dtype: f32, bf16 or f16";
+    "model" "device" = "\"cpu\"" : "where the policy and reference run and train: cpu, cuda (the first GPU) or cuda:N (needs a build with --features cuda)";
     "model" "freeze_vision" = "false" : "Qwen3-VL: keep the vision tower's weights fixed (train the language model only)";
     "reference" "path" = "the policy's initial weights" : "reference model for the KL term (loaded only when kl_coef > 0)";
     "data" "train_files" = "(required unless --rollouts)" : "JSONL or Parquet dataset(s), paths relative to this file";
@@ -119,6 +121,7 @@ pub const KEYS: &[KeyDoc] = keys! {
     "trainer" "warmup_steps" = "0" : "linear warmup optimizer steps";
     "trainer" "eval_every" = "0 (start and end only)" : "validation every N steps, when [data] val_files is set";
     "trainer" "save_every" = "0" : "checkpoint every N steps (0 = only at the end)";
+    "trainer" "max_staleness" = "0" : "weight versions a sampled trajectory may lag the trainer's (0 = strictly on-policy: any older sample stops the run)";
     "trainer" "seed" = "42" : "data order and sampling seed";
     "trainer" "output_dir" = "\"runs/<config name>\"" : "checkpoints, metrics.jsonl, reward.svg";
     "logging" "prometheus_port" = "none" : "serve /metrics on this port";
@@ -145,6 +148,7 @@ pub struct ConfigError {
 struct RawModel {
     path: Option<String>,
     dtype: Option<String>,
+    device: Option<String>,
     freeze_vision: Option<bool>,
 }
 
@@ -231,6 +235,7 @@ struct RawTrainer {
     warmup_steps: Option<u64>,
     save_every: Option<u64>,
     eval_every: Option<u64>,
+    max_staleness: Option<u64>,
     seed: Option<u64>,
     output_dir: Option<String>,
 }
@@ -299,6 +304,10 @@ pub struct RunConfig {
     pub source: PathBuf,
     pub model_path: String,
     pub dtype: String,
+    /// Where the policy and reference run and train.
+    pub device: DeviceSpec,
+    /// Weight versions a sampled trajectory may lag the trainer's.
+    pub max_staleness: u64,
     /// Qwen3-VL: the vision tower's weights stay fixed.
     pub freeze_vision: bool,
     pub reference_path: Option<String>,
@@ -657,6 +666,11 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
             return Err(loc.bad("num_gpus", format!("{n} GPUs need the multi-process launcher, which this version does not have yet; use 0 or 1")));
         }
     }
+    let device = match raw.model.device.as_deref().map(str::parse::<DeviceSpec>) {
+        None => DeviceSpec::default(),
+        Some(Ok(d)) => d,
+        Some(Err(e)) => return Err(loc.bad("model.device", e)),
+    };
     let dtype = raw.model.dtype.unwrap_or_else(|| "f32".into());
     if !["f32", "bf16", "f16"].contains(&dtype.as_str()) {
         return Err(loc.bad(
@@ -912,6 +926,8 @@ fn resolve(raw: RawConfig, loc: &Located) -> Result<RunConfig, ConfigError> {
         source: loc.path.to_path_buf(),
         model_path: local_or_hub(model_path),
         dtype,
+        device,
+        max_staleness: t.max_staleness.unwrap_or(0),
         freeze_vision: raw.model.freeze_vision.unwrap_or(false),
         reference_path: raw.reference.path.map(local_or_hub),
         data,

@@ -3,6 +3,7 @@
 //! resume.
 
 use crate::config::DataConfig;
+pub use crate::error::DataError;
 use oxrl_models::image::prompt_image_sources;
 use oxrl_models::{ImagePrompting, ProcessedImage, Tokenizer};
 use rand::seq::SliceRandom;
@@ -28,10 +29,6 @@ pub struct PromptRow {
     /// Where each image came from, as a path or `data:` URL (what rollout files record).
     pub image_refs: Vec<String>,
 }
-
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct DataError(pub String);
 
 /// The chat messages of a prompt cell: a string becomes one user message. With `images` images
 /// from the image column, a string's `<image>` markers (verl's convention) become image items
@@ -76,8 +73,10 @@ pub fn read_rows(file: &Path) -> Result<Vec<Row>, DataError> {
     if is_parquet {
         return read_parquet(file);
     }
-    let text =
-        std::fs::read_to_string(file).map_err(|e| DataError(format!("{}: {e}", file.display())))?;
+    let text = std::fs::read_to_string(file).map_err(|source| DataError::Io {
+        path: file.to_path_buf(),
+        source,
+    })?;
     let mut rows = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         if raw.trim().is_empty() {
@@ -86,8 +85,8 @@ pub fn read_rows(file: &Path) -> Result<Vec<Row>, DataError> {
         let at = format!("{}:{}", file.display(), i + 1);
         let columns = match serde_json::from_str(raw) {
             Ok(Value::Object(m)) => m,
-            Ok(_) => return Err(DataError(format!("{at}: expected a JSON object"))),
-            Err(e) => return Err(DataError(format!("{at}: invalid JSON: {e}"))),
+            Ok(_) => return Err(DataError::row(at, "expected a JSON object")),
+            Err(e) => return Err(DataError::row(at, format!("invalid JSON: {e}"))),
         };
         rows.push(Row { at, columns });
     }
@@ -98,8 +97,11 @@ pub fn read_rows(file: &Path) -> Result<Vec<Row>, DataError> {
 /// `messages` column of chat datasets does).
 fn read_parquet(file: &Path) -> Result<Vec<Row>, DataError> {
     use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
-    let err = |e: &dyn std::fmt::Display| DataError(format!("{}: {e}", file.display()));
-    let f = std::fs::File::open(file).map_err(|e| err(&e))?;
+    let err = |e: &dyn std::fmt::Display| DataError::row(file.display().to_string(), e);
+    let f = std::fs::File::open(file).map_err(|source| DataError::Io {
+        path: file.to_path_buf(),
+        source,
+    })?;
     let reader = ParquetRecordBatchReaderBuilder::try_new(f)
         .map_err(|e| err(&e))?
         .build()
@@ -144,51 +146,58 @@ pub fn load_prompts(
         let base = file.as_ref().parent().unwrap_or(Path::new("."));
         for Row { at, columns: row } in read_rows(file.as_ref())? {
             let cell = row.get(&cfg.prompt_key).ok_or_else(|| {
-                DataError(format!(
-                    "{at}: no `{}` column (data.prompt_key)",
-                    cfg.prompt_key
-                ))
+                DataError::row(
+                    &at,
+                    format!("no `{}` column (data.prompt_key)", cfg.prompt_key),
+                )
             })?;
             let sources = prompt_image_sources(row.get(&cfg.image_key), Some(cell), base)
-                .map_err(|e| DataError(format!("{at}: {e}")))?;
+                .map_err(|e| DataError::row(&at, e))?;
             let images = ImagePrompting::prepare_with(image_prompting, &sources)
-                .map_err(|e| DataError(format!("{at}: {e}")))?;
+                .map_err(|e| DataError::row(&at, e))?;
             let listed = row.get(&cfg.image_key).is_some_and(|v| !v.is_null());
             let messages =
                 messages_of(cell, if listed { images.len() } else { 0 }).ok_or_else(|| {
-                    DataError(format!(
-                        "{at}: `{}` must be a string or a list of chat messages",
-                        cfg.prompt_key
-                    ))
+                    DataError::row(
+                        &at,
+                        format!(
+                            "`{}` must be a string or a list of chat messages",
+                            cfg.prompt_key
+                        ),
+                    )
                 })?;
             let prompt_text = match (tok.has_chat_template(), cell) {
                 (true, _) => tok.apply_chat_template(&messages, true, &kwargs),
                 (false, Value::String(s)) => Ok(s.clone()),
                 (false, _) => {
-                    return Err(DataError(format!(
-                        "{at}: chat messages need a chat template, and the tokenizer has none"
-                    )))
+                    return Err(DataError::row(
+                        &at,
+                        "chat messages need a chat template, and the tokenizer has none",
+                    ))
                 }
             }
-            .map_err(|e| DataError(format!("{at}: {e}")))?;
+            .map_err(|e| DataError::row(&at, e))?;
             let mut prompt_ids = tok
                 .encode(&prompt_text)
-                .map_err(|e| DataError(format!("{at}: {e}")))?;
+                .map_err(|e| DataError::row(&at, e))?;
             if let (Some(p), false) = (image_prompting, images.is_empty()) {
                 prompt_ids = p
                     .expand(&prompt_ids, &images)
-                    .map_err(|e| DataError(format!("{at}: {e}")))?;
+                    .map_err(|e| DataError::row(&at, e))?;
             }
             if prompt_ids.len() > cfg.max_prompt_length {
                 if cfg.filter_overlong {
                     dropped += 1;
                     continue;
                 }
-                return Err(DataError(format!(
-                    "{at}: the prompt has {} tokens, more than data.max_prompt_length = {}",
-                    prompt_ids.len(),
-                    cfg.max_prompt_length
-                )));
+                return Err(DataError::row(
+                    &at,
+                    format!(
+                        "the prompt has {} tokens, more than data.max_prompt_length = {}",
+                        prompt_ids.len(),
+                        cfg.max_prompt_length
+                    ),
+                ));
             }
             let uid = match row.get("uid").or_else(|| row.get("id")) {
                 Some(Value::String(s)) => s.clone(),
@@ -206,7 +215,14 @@ pub fn load_prompts(
         }
     }
     if rows.is_empty() {
-        return Err(DataError("the dataset has no usable prompts".into()));
+        let names: Vec<String> = files
+            .iter()
+            .map(|f| f.as_ref().display().to_string())
+            .collect();
+        return Err(DataError::row(
+            names.join(", "),
+            "the dataset has no usable prompts",
+        ));
     }
     Ok((rows, dropped))
 }

@@ -6,17 +6,21 @@
 use crate::config::RewardKind;
 use crate::config::RunConfig;
 use crate::data::{load_prompts, DataCursor, DataOrder, PromptRow};
-use crate::observe::{write_svg_chart, Gauges, MetricsLog, Progress};
+use crate::observe::{write_svg_chart, Gauges, MetricsLog, PhaseTimes, Progress};
 use crate::state::{self, TrainerState};
 use crate::trajectory::Trajectory;
-use crate::update::{PolicyTrainer, Result, TrainError};
+use crate::update::{OldPolicy, PolicyTrainer, Result, TrainError, UpdateReport};
 use candle_core::{DType, Device};
+use oxrl_algo::advantage::frac_zero_std_groups;
+use oxrl_algo::{compute_advantages, AdvantageConfig};
 use oxrl_models::{eos_token_ids, hub::resolve_model, ImagePrompting, Qwen3, Tokenizer};
 use oxrl_reward::{
     build_rule, CodeReward, HttpReward, RewardFn, RewardInput, RewardModel, RewardOutcome,
     RewardSet, WeightedReward,
 };
-use oxrl_rollout::{Completion, Engine, LocalEngine, SamplerConfig, SamplingParams};
+use oxrl_rollout::{
+    Completion, Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams, WeightVersion,
+};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,22 +34,33 @@ fn dtype(name: &str) -> DType {
     }
 }
 
-/// Builds the policy trainer of a run: the policy (from `policy_dir`), the reference model when
-/// `kl_coef > 0` (default: the policy's initial weights), AdamW.
+/// Builds the policy trainer of a run: the policy (from `policy_dir`) on the run's device, the
+/// reference model when `kl_coef > 0` (default: the policy's initial weights), AdamW.
 pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path) -> Result<PolicyTrainer> {
     let dt = dtype(&cfg.dtype);
-    let mut policy = Qwen3::load(policy_dir, dt, &Device::Cpu)?;
+    let device = open_device(cfg)?;
+    let mut policy = Qwen3::load(policy_dir, dt, &device)?;
     if let Some(v) = &mut policy.vision {
         v.frozen = cfg.freeze_vision;
     }
     let reference = match cfg.algorithm.kl_coef > 0.0 {
         true => {
             let r = cfg.reference_path.as_deref().unwrap_or(&cfg.model_path);
-            Some(Qwen3::load(&resolve_model(r)?, dt, &Device::Cpu)?)
+            Some(Qwen3::load(&resolve_model(r)?, dt, &device)?)
         }
         false => None,
     };
-    PolicyTrainer::new(policy, reference, cfg.algorithm.clone(), cfg.update.clone())
+    let mut trainer =
+        PolicyTrainer::new(policy, reference, cfg.algorithm.clone(), cfg.update.clone())?;
+    trainer.max_staleness = cfg.max_staleness;
+    Ok(trainer)
+}
+
+/// The run's `[model] device`, opened; the error names the config file.
+fn open_device(cfg: &RunConfig) -> Result<Device> {
+    cfg.device
+        .open()
+        .map_err(|e| TrainError::Invalid(format!("{}: [model] device: {e}", cfg.source.display())))
 }
 
 /// The run's reward functions, built before the policy loads: a code reward finds the sandbox's
@@ -105,7 +120,7 @@ pub struct GrpoRun {
     cfg: RunConfig,
     model_dir: PathBuf,
     trainer: PolicyTrainer,
-    engine: LocalEngine,
+    engine: Box<dyn Engine>,
     tokenizer: Arc<Tokenizer>,
     rewards: RewardSet,
     prompts: Vec<PromptRow>,
@@ -189,12 +204,14 @@ impl GrpoRun {
                 },
             ),
         };
+        trainer.weight_version = WeightVersion(step);
         let eos = eos_token_ids(&model_dir, Some(&tokenizer))?;
-        let engine = LocalEngine::new(
+        let mut engine: Box<dyn Engine> = Box::new(LocalEngine::new(
             Arc::new(trainer.policy.detached()),
             Some(tokenizer.clone()),
             eos,
-        );
+        ));
+        engine.sync_weights(&trainer.policy, trainer.weight_version)?;
         let order = DataOrder::new(prompts.len(), cfg.seed, cfg.data.shuffle, cursor);
         let metrics = MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), step)?;
         let gauges = Gauges::default();
@@ -265,7 +282,7 @@ impl GrpoRun {
     fn save(&self) -> Result<PathBuf> {
         let s = TrainerState {
             step: self.step,
-            optimizer_step: self.trainer.optimizer.step,
+            optimizer_step: self.trainer.optimizer.steps(),
             data: self.order.cursor,
             seed: self.cfg.seed,
         };
@@ -277,17 +294,38 @@ impl GrpoRun {
         )
     }
 
-    /// One step: sample, score, update; returns the step's metrics (also logged).
+    /// One step of the algorithm: rollout → rewards → advantages → policy update → weight
+    /// sync. Returns the step's metrics.
     pub fn step_once(&mut self) -> Result<BTreeMap<String, f64>> {
+        let mut time = PhaseTimes::default();
         let step_start = Instant::now();
-        let cfg = &self.cfg;
-        let rows: Vec<usize> = self.order.next_batch(cfg.batch_size);
-        let prompt_ids: Vec<Vec<u32>> = rows
-            .iter()
-            .map(|&i| self.prompts[i].prompt_ids.clone())
-            .collect();
-        let r = &cfg.rollout;
-        let params = SamplingParams {
+        let rows = self.order.next_batch(self.cfg.batch_size);
+        let completions = time.time("rollout", || self.rollout(&rows))?;
+        let rewards = time.time("reward", || self.score(&rows, &self.prompts, &completions))?;
+        let trajs = self.trajectories(&rows, &completions, &rewards.total);
+        let learned = learn(&mut self.trainer, &trajs, &mut time)?;
+        self.step += 1;
+        let version = self.trainer.weight_version;
+        time.time("weight_sync", || {
+            self.engine.sync_weights(&self.trainer.policy, version)
+        })?;
+        if self.save_rollouts {
+            self.write_rollouts(&trajs)?;
+        }
+        Ok(step_metrics(
+            &rewards,
+            &trajs,
+            learned,
+            time,
+            step_start.elapsed().as_secs_f64(),
+        ))
+    }
+
+    /// The step's sampling parameters: the run's `[rollout]` settings, and a seed derived from
+    /// the run's seed and the step, so a resumed run samples what an uninterrupted one would.
+    fn sampling_params(&self) -> SamplingParams {
+        let r = &self.cfg.rollout;
+        SamplingParams {
             n: r.n_samples_per_prompt,
             max_new_tokens: r.max_new_tokens,
             sampler: SamplerConfig {
@@ -296,103 +334,63 @@ impl GrpoRun {
                 top_p: r.top_p,
                 min_p: r.min_p,
             },
-            seed: cfg
+            seed: self
+                .cfg
                 .seed
                 .wrapping_add(self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
             stop_token_ids: Vec::new(),
             stop_strings: r.stop.clone(),
             ignore_eos: false,
-        };
-        let images: Vec<_> = rows
-            .iter()
-            .map(|&i| self.prompts[i].images.clone())
-            .collect();
-        let t = Instant::now();
-        let completions = self
-            .engine
-            .generate_with_images(&prompt_ids, &images, &params)?;
-        let time_rollout = t.elapsed().as_secs_f64();
-
-        let t = Instant::now();
-        let asked: Vec<&PromptRow> = rows.iter().map(|&i| &self.prompts[i]).collect();
-        let outcome = self.score(&asked, &completions)?;
-        let time_reward = t.elapsed().as_secs_f64();
-
-        let mut trajs = Vec::with_capacity(outcome.total.len());
-        let mut k = 0;
-        for (slot, (&row, samples)) in rows.iter().zip(&completions).enumerate() {
-            for c in samples {
-                trajs.push(Trajectory {
-                    uid: format!("{}#{slot}", self.prompts[row].uid),
-                    prompt_ids: self.prompts[row].prompt_ids.clone(),
-                    response_ids: c.response_ids.clone(),
-                    reward: outcome.total[k],
-                    rollout_logprobs: c.logprobs.clone(),
-                    finish_reason: Some(c.finish_reason.as_str().to_string()),
-                    images: self.prompts[row].image_refs.clone(),
-                    pixels: self.prompts[row].images.clone(),
-                });
-                k += 1;
-            }
         }
-        let report = self.trainer.step(&trajs)?;
-        self.step += 1;
-        if self.save_rollouts {
-            self.write_rollouts(&trajs)?;
-        }
-
-        let mut m = report.metrics;
-        let (reward_mean, reward_std) = mean_std(&outcome.total);
-        m.insert("reward_mean".into(), reward_mean);
-        m.insert("reward_std".into(), reward_std);
-        for (name, scores) in &outcome.per_function {
-            m.insert(format!("reward/{name}"), mean_std(scores).0);
-        }
-        for (name, failed) in &outcome.failures {
-            m.insert(format!("reward_failures/{name}"), *failed as f64);
-        }
-        for (name, secs) in &outcome.latency {
-            m.insert(format!("reward_latency_s/{name}"), *secs);
-        }
-        let lens: Vec<f64> = trajs.iter().map(|t| t.response_ids.len() as f64).collect();
-        m.insert("response_length_mean".into(), mean_std(&lens).0);
-        m.insert(
-            "response_length_max".into(),
-            lens.iter().copied().fold(0.0, f64::max),
-        );
-        let hit_max = trajs
-            .iter()
-            .filter(|t| t.finish_reason.as_deref() == Some("length"))
-            .count();
-        m.insert(
-            "clip_ratio".into(),
-            hit_max as f64 / trajs.len().max(1) as f64,
-        );
-        let time_step = step_start.elapsed().as_secs_f64();
-        m.insert("time/rollout".into(), time_rollout);
-        m.insert("time/reward".into(), time_reward);
-        m.insert("time/step".into(), time_step);
-        let tokens: usize = trajs
-            .iter()
-            .map(|t| t.prompt_ids.len() + t.response_ids.len())
-            .sum();
-        m.insert("tokens_per_s".into(), tokens as f64 / time_step);
-        let generated: f64 = lens.iter().sum();
-        m.insert(
-            "rollout/tokens_per_s".into(),
-            generated / time_rollout.max(1e-9),
-        );
-        Ok(m)
     }
 
-    /// Rewards of every completion of `asked[i]` (`completions[i]`), prompt-major.
+    /// `n_samples_per_prompt` completions of each prompt `rows[i]`.
+    fn rollout(&mut self, rows: &[usize]) -> Result<Vec<Vec<Completion>>> {
+        let params = self.sampling_params();
+        let asked: Vec<&PromptRow> = rows.iter().map(|&i| &self.prompts[i]).collect();
+        let (ids, images) = engine_prompts(&asked);
+        Ok(self.engine.generate_with_images(&ids, &images, &params)?)
+    }
+
+    /// One trajectory per completion, prompt-major, rewarded by `rewards`. The group of a
+    /// prompt is its uid and its place in the batch (a prompt drawn twice makes two groups).
+    fn trajectories(
+        &self,
+        rows: &[usize],
+        completions: &[Vec<Completion>],
+        rewards: &[f64],
+    ) -> Vec<Trajectory> {
+        let mut rewards = rewards.iter();
+        let mut trajs = Vec::with_capacity(rewards.len());
+        for (slot, (&row, samples)) in rows.iter().zip(completions).enumerate() {
+            let p = &self.prompts[row];
+            for (c, &reward) in samples.iter().zip(&mut rewards) {
+                trajs.push(Trajectory {
+                    uid: format!("{}#{slot}", p.uid),
+                    prompt_ids: p.prompt_ids.clone(),
+                    response_ids: c.response_ids.clone(),
+                    reward,
+                    rollout_logprobs: c.logprobs.clone(),
+                    finish_reason: Some(c.finish_reason.as_str().to_string()),
+                    weight_version: Some(c.weight_version),
+                    images: p.image_refs.clone(),
+                    pixels: p.images.clone(),
+                });
+            }
+        }
+        trajs
+    }
+
+    /// Rewards of every completion of prompt `prompts[rows[i]]` (`completions[i]`),
+    /// prompt-major.
     fn score(
         &self,
-        asked: &[&PromptRow],
+        rows: &[usize],
+        prompts: &[PromptRow],
         completions: &[Vec<Completion>],
     ) -> Result<RewardOutcome> {
         let mut inputs = Vec::new();
-        for (p, samples) in asked.iter().zip(completions) {
+        for (p, samples) in rows.iter().map(|&i| &prompts[i]).zip(completions) {
             for c in samples {
                 let response = match &c.text {
                     Some(t) => t.clone(),
@@ -427,13 +425,11 @@ impl GrpoRun {
             stop_strings: r.stop.clone(),
             ..Default::default()
         };
-        let prompt_ids: Vec<Vec<u32>> = self.val.iter().map(|p| p.prompt_ids.clone()).collect();
-        let images: Vec<_> = self.val.iter().map(|p| p.images.clone()).collect();
-        let completions = self
-            .engine
-            .generate_with_images(&prompt_ids, &images, &params)?;
         let asked: Vec<&PromptRow> = self.val.iter().collect();
-        let outcome = self.score(&asked, &completions)?;
+        let (ids, images) = engine_prompts(&asked);
+        let completions = self.engine.generate_with_images(&ids, &images, &params)?;
+        let rows: Vec<usize> = (0..self.val.len()).collect();
+        let outcome = self.score(&rows, &self.val, &completions)?;
         m.insert("val/reward_mean".into(), mean_std(&outcome.total).0);
         for (name, scores) in &outcome.per_function {
             m.insert(format!("val/reward/{name}"), mean_std(scores).0);
@@ -470,24 +466,158 @@ impl GrpoRun {
     }
 }
 
+/// The engine's view of prompts: their token ids, and their images with where they came from.
+fn engine_prompts(asked: &[&PromptRow]) -> (Vec<Vec<u32>>, Vec<Vec<PromptImage>>) {
+    asked
+        .iter()
+        .map(|p| {
+            let images = p
+                .images
+                .iter()
+                .zip(&p.image_refs)
+                .map(|(pixels, source)| PromptImage {
+                    pixels: pixels.clone(),
+                    source: Some(source.clone()),
+                })
+                .collect();
+            (p.prompt_ids.clone(), images)
+        })
+        .unzip()
+}
+
+/// Per-trajectory advantages from the rewards, grouped by uid (`docs/rl-algorithms.md`,
+/// advantage estimators).
+pub fn advantages(trajs: &[Trajectory], cfg: &AdvantageConfig) -> Vec<f64> {
+    let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
+    let uids: Vec<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
+    let lens: Vec<usize> = trajs.iter().map(|t| t.response_ids.len()).collect();
+    compute_advantages(&rewards, &uids, &lens, cfg)
+}
+
+/// What learning from one batch computed, phase by phase.
+#[derive(Debug, Clone)]
+pub struct Learned {
+    pub advantages: Vec<f64>,
+    pub old: OldPolicy,
+    pub reference: Option<Vec<Vec<f32>>>,
+    pub report: UpdateReport,
+}
+
+/// Learning from one batch of rewarded trajectories: advantages → `logp_old` → reference
+/// log-probs → the policy update, each a timed phase. The sampling loop and `--rollouts` share
+/// it; it refuses trajectories from weights the trainer no longer has.
+pub fn learn(
+    trainer: &mut PolicyTrainer,
+    trajs: &[Trajectory],
+    time: &mut PhaseTimes,
+) -> Result<Learned> {
+    trainer.check_weight_versions(trajs)?;
+    let advantages = time.time("advantage", || {
+        advantages(trajs, &trainer.algorithm.advantage)
+    });
+    let old = time.time("old_logprobs", || trainer.old_logprobs(trajs))?;
+    let reference = time.time("ref", || trainer.ref_logprobs(trajs))?;
+    let report = time.time("update", || {
+        trainer.update(trajs, &advantages, &old, reference.as_deref())
+    })?;
+    Ok(Learned {
+        advantages,
+        old,
+        reference,
+        report,
+    })
+}
+
+/// What learning from `trajs` measured: the update's metrics, the rewards' mean and spread,
+/// the share of groups whose rewards all tie (no signal), and the engine-vs-trainer log-prob
+/// gap.
+fn learned_metrics(learned: Learned, trajs: &[Trajectory]) -> BTreeMap<String, f64> {
+    let mut m = learned.report.metrics;
+    if let Some(diff) = learned.old.rollout_logprob_diff {
+        m.insert("rollout_logprob_diff".into(), diff);
+    }
+    let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
+    let uids: Vec<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
+    m.insert(
+        "frac_reward_zero_std".into(),
+        frac_zero_std_groups(&rewards, &uids),
+    );
+    let (mean, std) = mean_std(&rewards);
+    m.insert("reward_mean".into(), mean);
+    m.insert("reward_std".into(), std);
+    m
+}
+
+/// A step's metrics: the update's, the rewards' (total, per function, failures, latency), the
+/// responses' lengths and truncation, the phase times and throughput.
+fn step_metrics(
+    rewards: &RewardOutcome,
+    trajs: &[Trajectory],
+    learned: Learned,
+    time: PhaseTimes,
+    step_seconds: f64,
+) -> BTreeMap<String, f64> {
+    let mut m = learned_metrics(learned, trajs);
+    for (name, scores) in &rewards.per_function {
+        m.insert(format!("reward/{name}"), mean_std(scores).0);
+    }
+    for (name, failed) in &rewards.failures {
+        m.insert(format!("reward_failures/{name}"), *failed as f64);
+    }
+    for (name, secs) in &rewards.latency {
+        m.insert(format!("reward_latency_s/{name}"), *secs);
+    }
+    let lens: Vec<f64> = trajs.iter().map(|t| t.response_ids.len() as f64).collect();
+    m.insert("response_length_mean".into(), mean_std(&lens).0);
+    m.insert(
+        "response_length_max".into(),
+        lens.iter().copied().fold(0.0, f64::max),
+    );
+    let hit_max = trajs
+        .iter()
+        .filter(|t| t.finish_reason.as_deref() == Some("length"))
+        .count();
+    m.insert(
+        "clip_ratio".into(),
+        hit_max as f64 / trajs.len().max(1) as f64,
+    );
+    let tokens: usize = trajs
+        .iter()
+        .map(|t| t.prompt_ids.len() + t.response_ids.len())
+        .sum();
+    m.insert("tokens_per_s".into(), tokens as f64 / step_seconds);
+    let generated: f64 = lens.iter().sum();
+    m.insert(
+        "rollout/tokens_per_s".into(),
+        generated / time.seconds("rollout").max(1e-9),
+    );
+    m.extend(time.into_metrics());
+    m.insert("time/step".into(), step_seconds);
+    m
+}
+
 /// `train --rollouts`: one update on recorded trajectories (the whole file is one batch), then a
 /// checkpoint and one metrics line in `output_dir`.
 pub fn replay(cfg: &RunConfig, rollouts: &Path) -> Result<BTreeMap<String, f64>> {
     let mut trajs = crate::trajectory::read_trajectories(rollouts)?;
+    // A file's weight versions count the updates of the run that wrote it, not this trainer's:
+    // training on it is off-policy by the user's choice.
+    for t in &mut trajs {
+        t.weight_version = None;
+    }
     let model_dir = resolve_model(&cfg.model_path)?;
     let prompting = ImagePrompting::from_dir(&model_dir)?;
     crate::trajectory::attach_images(&mut trajs, rollouts, prompting.as_ref())?;
     let mut trainer = build_trainer(cfg, &model_dir)?;
-    let mut m = trainer.step(&trajs)?.metrics;
-    let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
-    let (mean, std) = mean_std(&rewards);
-    m.insert("reward_mean".into(), mean);
-    m.insert("reward_std".into(), std);
+    let mut time = PhaseTimes::default();
+    let learned = learn(&mut trainer, &trajs, &mut time)?;
+    let mut m = learned_metrics(learned, &trajs);
+    m.extend(time.into_metrics());
     std::fs::create_dir_all(&cfg.output_dir)?;
     MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), 0)?.append(&m, 1)?;
     let s = TrainerState {
         step: 1,
-        optimizer_step: trainer.optimizer.step,
+        optimizer_step: trainer.optimizer.steps(),
         data: DataCursor {
             epoch: 0,
             position: 0,

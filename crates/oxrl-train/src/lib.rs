@@ -4,7 +4,9 @@
 
 pub mod config;
 pub mod data;
+pub mod error;
 pub mod grpo;
+pub mod loss;
 pub mod observe;
 pub mod optim;
 pub mod reward_config;
@@ -14,9 +16,10 @@ pub mod trajectory;
 pub mod update;
 
 pub use config::{ConfigError, RunConfig};
-pub use grpo::{replay, GrpoRun, RunSummary};
-pub use optim::{AdamW, AdamWConfig, LrSchedule};
+pub use grpo::{advantages, learn, replay, GrpoRun, Learned, RunSummary};
+pub use observe::PhaseTimes;
+pub use optim::{AdamW, AdamWConfig, LrSchedule, Optimizer, TensorAdamW};
 pub use trajectory::{read_trajectories, Trajectory};
 pub use update::{
-    AlgorithmConfig, OldLogprobs, PolicyTrainer, TrainError, UpdateConfig, UpdateReport,
+    AlgorithmConfig, OldLogprobs, OldPolicy, PolicyTrainer, TrainError, UpdateConfig, UpdateReport,
 };

@@ -6,6 +6,33 @@ use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Wall-clock seconds of each named phase of a step, reported as `time/<phase>`.
+#[derive(Debug, Default)]
+pub struct PhaseTimes(BTreeMap<String, f64>);
+
+impl PhaseTimes {
+    /// Runs `f` as phase `phase` (a phase run twice adds up).
+    pub fn time<T>(&mut self, phase: &str, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = f();
+        *self.0.entry(format!("time/{phase}")).or_default() += start.elapsed().as_secs_f64();
+        out
+    }
+
+    /// Seconds spent in `phase` so far.
+    pub fn seconds(&self, phase: &str) -> f64 {
+        self.0
+            .get(&format!("time/{phase}"))
+            .copied()
+            .unwrap_or_default()
+    }
+
+    pub fn into_metrics(self) -> BTreeMap<String, f64> {
+        self.0
+    }
+}
 
 /// Appends one JSON line per step. On resume, lines past the resumed step are dropped first, so
 /// the file reads as if the run had never stopped.

@@ -33,15 +33,16 @@ pub fn load_examples(
                 .get(column)
                 .and_then(Value::as_array)
                 .ok_or_else(|| {
-                    DataError(format!(
-                        "{at}: `{column}` must be a list of chat messages (data.prompt_key)"
-                    ))
+                    DataError::row(
+                        &at,
+                        format!("`{column}` must be a list of chat messages (data.prompt_key)"),
+                    )
                 })?;
             let all = Value::Array(messages.clone());
             let sources = prompt_image_sources(columns.get(image_key), Some(&all), base)
-                .map_err(|e| DataError(format!("{at}: {e}")))?;
+                .map_err(|e| DataError::row(&at, e))?;
             let images = ImagePrompting::prepare_with(prompting, &sources)
-                .map_err(|e| DataError(format!("{at}: {e}")))?;
+                .map_err(|e| DataError::row(&at, e))?;
             for (turn, m) in messages.iter().enumerate() {
                 if m.get("role").and_then(Value::as_str) != Some("assistant") {
                     continue;
@@ -52,19 +53,18 @@ pub fn load_examples(
                     let ids = tok
                         .apply_chat_template(&Value::Array(messages[..upto].to_vec()), gen, kwargs)
                         .and_then(|t| tok.encode(&t))
-                        .map_err(|e| DataError(format!("{at}: {e}")))?;
+                        .map_err(|e| DataError::row(&at, e))?;
                     match prompting {
                         Some(p) if seen > 0 => p
                             .expand(&ids, turn_images)
-                            .map_err(|e| DataError(format!("{at}: {e}"))),
+                            .map_err(|e| DataError::row(&at, e)),
                         _ => Ok(ids),
                     }
                 };
                 let prompt_ids = render(turn, true)?;
                 let full = render(turn + 1, false)?;
                 if !full.starts_with(&prompt_ids) || full.len() == prompt_ids.len() {
-                    return Err(DataError(format!(
-                        "{at}: turn {turn}: the chat template does not render the conversation as the prompt followed by the reply"
+                    return Err(DataError::row(&at, format!("turn {turn}: the chat template does not render the conversation as the prompt followed by the reply"
                     )));
                 }
                 out.push(ScoreRequest {
@@ -77,8 +77,10 @@ pub fn load_examples(
         }
     }
     if out.is_empty() {
-        return Err(DataError(
-            "the dataset has no assistant turns to train on".into(),
+        let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+        return Err(DataError::row(
+            names.join(", "),
+            "the dataset has no assistant turns to train on",
         ));
     }
     Ok(out)
@@ -151,7 +153,7 @@ pub fn run(cfg: &RunConfig, resume: bool) -> Result<PathBuf> {
     let save = |trainer: &crate::PolicyTrainer, step: u64, cursor| -> Result<PathBuf> {
         let s = TrainerState {
             step,
-            optimizer_step: trainer.optimizer.step,
+            optimizer_step: trainer.optimizer.steps(),
             data: cursor,
             seed: cfg.seed,
         };

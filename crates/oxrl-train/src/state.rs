@@ -6,9 +6,9 @@
 use crate::data::DataCursor;
 use crate::optim::{AdamW, ParamState};
 use crate::update::{PolicyTrainer, Result, TrainError};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use oxrl_models::checkpoint::{write_synced, MAX_SHARD_BYTES};
-use oxrl_models::ModelError;
+use oxrl_models::{ModelError, HOST};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -40,15 +40,16 @@ pub fn save(
     copy_from: Option<&Path>,
 ) -> Result<PathBuf> {
     let dir = out_dir.join(format!("checkpoint-{}", state.step));
+    let optimizer = trainer.optimizer.state()?;
     let extra = |tmp: &Path| -> oxrl_models::Result<()> {
         let mut tensors = HashMap::new();
-        for ((name, _), p) in trainer.vars().iter().zip(&trainer.optimizer.params) {
+        for ((name, _), p) in trainer.vars().iter().zip(&optimizer) {
             for (suffix, data) in [
                 ("master", &p.master),
                 ("exp_avg", &p.exp_avg),
                 ("exp_avg_sq", &p.exp_avg_sq),
             ] {
-                let t = Tensor::from_slice(data, data.len(), &Device::Cpu)?;
+                let t = Tensor::from_slice(data, data.len(), &HOST)?;
                 tensors.insert(format!("{name}.{suffix}"), t);
             }
         }
@@ -90,20 +91,18 @@ pub fn latest(out_dir: &Path) -> Option<(u64, PathBuf)> {
 /// Reads a checkpoint's trainer state.
 pub fn load_state(dir: &Path) -> Result<TrainerState> {
     let path = dir.join(TRAINER_STATE);
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
     serde_json::from_str(&text).map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))
 }
 
 /// Restores the optimizer's master weights and moments from a checkpoint.
 pub fn load_optimizer(dir: &Path, trainer: &mut PolicyTrainer, optimizer_step: u64) -> Result<()> {
     let path = dir.join(OPTIMIZER_STATE);
-    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|source| {
-        ModelError::Safetensors {
+    let mut tensors =
+        candle_core::safetensors::load(&path, &HOST).map_err(|source| ModelError::Safetensors {
             path: path.clone(),
             source,
-        }
-    })?;
+        })?;
     let mut params = Vec::new();
     for (name, _) in trainer.vars() {
         let mut take = |suffix: &str| -> Result<Vec<f32>> {
@@ -119,10 +118,9 @@ pub fn load_optimizer(dir: &Path, trainer: &mut PolicyTrainer, optimizer_step: u
             exp_avg_sq: take("exp_avg_sq")?,
         });
     }
-    trainer.optimizer = AdamW {
-        config: trainer.optimizer.config,
+    trainer.restore_optimizer(AdamW {
+        config: trainer.update.optimizer,
         step: optimizer_step,
         params,
-    };
-    Ok(())
+    })
 }

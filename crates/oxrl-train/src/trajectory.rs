@@ -1,7 +1,9 @@
 //! Trajectories: what a rollout produced for one sampled response, as plain data that can be
 //! written by one run and trained on by another (`oxrl train --rollouts`).
 
+pub use crate::error::TrajectoryError;
 use oxrl_models::{ImagePrompting, ImageSource, ProcessedImage};
+use oxrl_rollout::WeightVersion;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
@@ -18,6 +20,10 @@ pub struct Trajectory {
     pub rollout_logprobs: Vec<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finish_reason: Option<String>,
+    /// The policy weights that sampled it; absent in a hand-made or foreign rollout file, which
+    /// the trainer then takes as off-policy by the user's choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<WeightVersion>,
     /// The prompt's images (Qwen3-VL), as paths (relative ones to the rollout file) or `data:`
     /// URLs, in the order of their tokens in `prompt_ids`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -56,21 +62,6 @@ pub fn attach_images(
         }
     }
     Ok(())
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum TrajectoryError {
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("{path}:{line}: {message}")]
-    Line {
-        path: String,
-        line: usize,
-        message: String,
-    },
 }
 
 /// Reads a JSONL file of trajectories; errors name the file and line.

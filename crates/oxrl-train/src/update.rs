@@ -1,46 +1,25 @@
-//! The policy update of one training step: advantages from rewards, old and reference
-//! log-probs, then for each PPO epoch and mini-batch (one optimizer step each) the loss over
-//! micro-batches with gradients accumulated, global-norm clipping and AdamW.
+//! The policy update: the trainer's side of a training step. The loop (`grpo.rs`) calls its
+//! phases in order — [`PolicyTrainer::old_logprobs`], [`PolicyTrainer::ref_logprobs`], then
+//! [`PolicyTrainer::update`] with the advantages it computed — and each PPO epoch and
+//! mini-batch is one optimizer step over micro-batches with gradients accumulated, reduced
+//! ([`PolicyTrainer::reduce_gradients`], where a data-parallel all-reduce goes), clipped and
+//! applied by the [`Optimizer`].
 //!
 //! Every per-token loss is aggregated with weights built from the whole mini-batch's totals
 //! ([`oxrl_algo::token_weights`]), so the accumulated gradient equals the unsplit batch's.
 
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
-use crate::trajectory::Trajectory;
-use candle_core::{DType, Tensor, Var};
-use oxrl_algo::advantage::frac_zero_std_groups;
-use oxrl_algo::{
-    compute_advantages, kl_per_token, policy_loss, token_weights, AdvantageConfig, BatchTotals,
-    KlEstimator, LossAgg, PolicyLossConfig,
+use crate::loss::{micro_batch_loss, LossMetrics, MicroBatch};
+use crate::optim::{
+    adamw_on, clip_grad_norm, squared_norms, AdamW, AdamWConfig, LrSchedule, Optimizer,
 };
+use crate::trajectory::Trajectory;
+use candle_core::{DType, Device, Tensor, Var};
+use oxrl_algo::{AdvantageConfig, BatchTotals, KlEstimator, LossAgg, PolicyLossConfig};
 use oxrl_models::{Entropy, Qwen3, ScoreRequest};
+use oxrl_rollout::WeightVersion;
 use std::collections::BTreeMap;
 
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    #[error("{0}")]
-    Invalid(String),
-    #[error(transparent)]
-    Model(#[from] oxrl_models::ModelError),
-    #[error(transparent)]
-    Candle(#[from] candle_core::Error),
-    #[error(transparent)]
-    Engine(#[from] oxrl_rollout::EngineError),
-    #[error(transparent)]
-    Data(#[from] crate::data::DataError),
-    #[error(transparent)]
-    Trajectory(#[from] crate::trajectory::TrajectoryError),
-    #[error("{0}")]
-    Io(String),
-}
-
-impl From<std::io::Error> for TrainError {
-    fn from(e: std::io::Error) -> Self {
-        TrainError::Io(e.to_string())
-    }
-}
-
-pub type Result<T> = std::result::Result<T, TrainError>;
+pub use crate::error::{Result, TrainError};
 
 /// Where `logp_old` comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,32 +66,40 @@ pub struct UpdateConfig {
 #[derive(Debug, Clone, Default)]
 pub struct UpdateReport {
     pub metrics: BTreeMap<String, f64>,
-    pub advantages: Vec<f64>,
     /// The policy's log-probs at each trajectory's first forward of the update.
     pub logprobs: Vec<Vec<f32>>,
-    pub old_logprobs: Vec<Vec<f32>>,
-    pub ref_logprobs: Option<Vec<Vec<f32>>>,
     /// ρ per token at each trajectory's first forward.
     pub ratios: Vec<Vec<f32>>,
     /// L2 norm of each parameter's gradient before clipping, at the last optimizer step.
     pub grad_norm_per_param: Vec<(String, f64)>,
 }
 
+/// What the policy said of a batch before the update, without gradients: `logp_old`, and the
+/// entropies when the recompute pass produced them (so the update need not recompute them).
+#[derive(Debug, Clone, Default)]
+pub struct OldPolicy {
+    pub logprobs: Vec<Vec<f32>>,
+    pub entropy: Option<Vec<Vec<f32>>>,
+    /// Mean |rollout − recomputed| log-prob over the tokens that have both: how far the engine's
+    /// numbers are from the trainer's for the same weights.
+    pub rollout_logprob_diff: Option<f64>,
+}
+
 pub struct PolicyTrainer {
     pub policy: Qwen3,
     vars: Vec<(String, Var)>,
     pub reference: Option<Qwen3>,
-    pub optimizer: AdamW,
+    pub optimizer: Box<dyn Optimizer>,
     pub algorithm: AlgorithmConfig,
     pub update: UpdateConfig,
-}
-
-/// Per-trajectory numbers computed before the update, without gradient.
-struct ScoredBefore<'a> {
-    old: &'a [Vec<f32>],
-    reference: Option<&'a [Vec<f32>]>,
-    /// Entropies of the pre-update policy (from the recompute pass), if it ran.
-    entropy: Option<&'a [Vec<f32>]>,
+    /// The version of the policy's weights: training steps applied (one per [`update`] call),
+    /// counted from the run's start, so a resumed run continues the count.
+    ///
+    /// [`update`]: PolicyTrainer::update
+    pub weight_version: WeightVersion,
+    /// How many versions older than the trainer's a sampled trajectory may be (0: strictly
+    /// on-policy).
+    pub max_staleness: u64,
 }
 
 /// What one optimizer step did.
@@ -127,17 +114,76 @@ struct Applied {
 /// Running sums of one update's metrics.
 #[derive(Default)]
 struct Sums {
-    loss: f64,
-    pg_loss: f64,
-    kl: f64,
-    entropy: f64,
-    tokens: usize,
-    clipped: usize,
-    dual_clipped: usize,
-    ppo_kl: f64,
+    loss: LossMetrics,
     grad_norm: f64,
     optimizer_steps: usize,
-    ratios: Vec<f32>,
+}
+
+impl Sums {
+    fn add(&mut self, m: LossMetrics) {
+        let s = &mut self.loss;
+        s.loss += m.loss;
+        s.pg_loss += m.pg_loss;
+        s.kl += m.kl;
+        s.entropy += m.entropy;
+        s.tokens += m.tokens;
+        s.clipped += m.clipped;
+        s.dual_clipped += m.dual_clipped;
+        s.ppo_kl_sum += m.ppo_kl_sum;
+        s.ratio.extend(m.ratio);
+    }
+
+    /// The update's metrics: loss terms per optimizer step, fractions per token.
+    fn metrics(&self) -> BTreeMap<String, f64> {
+        let s = &self.loss;
+        let steps = self.optimizer_steps.max(1) as f64;
+        let tokens = s.tokens.max(1) as f64;
+        let n = s.ratio.len().max(1) as f64;
+        let fold = |init: f32, f: fn(f32, f32) -> f32| s.ratio.iter().copied().fold(init, f) as f64;
+        BTreeMap::from([
+            ("loss".to_string(), s.loss / steps),
+            ("pg_loss".to_string(), s.pg_loss / steps),
+            ("kl".to_string(), s.kl / steps),
+            ("entropy".to_string(), s.entropy / steps),
+            ("grad_norm".to_string(), self.grad_norm / steps),
+            ("pg_clipfrac".to_string(), s.clipped as f64 / tokens),
+            (
+                "pg_clipfrac_lower".to_string(),
+                s.dual_clipped as f64 / tokens,
+            ),
+            ("ppo_kl".to_string(), s.ppo_kl_sum / tokens),
+            (
+                "ratio_mean".to_string(),
+                s.ratio.iter().map(|&r| r as f64).sum::<f64>() / n,
+            ),
+            ("ratio_max".to_string(), fold(f32::NEG_INFINITY, f32::max)),
+            ("ratio_min".to_string(), fold(f32::INFINITY, f32::min)),
+        ])
+    }
+}
+
+/// Refuses trajectories sampled under weights more than `max_staleness` versions behind
+/// `current` (and any from a later version, which only a bug makes), naming the first one.
+/// Trajectories without a version (a rollout file given to `--rollouts`) are off-policy by the
+/// user's choice and pass.
+pub fn check_weight_versions(
+    trajs: &[Trajectory],
+    current: WeightVersion,
+    max_staleness: u64,
+) -> Result<()> {
+    for (i, t) in trajs.iter().enumerate() {
+        let Some(v) = t.weight_version else { continue };
+        let behind = current.0.checked_sub(v.0);
+        if behind.is_none_or(|b| b > max_staleness) {
+            return Err(TrainError::StaleWeights(format!(
+                "trajectory {i} (uid {}) was sampled with weights {v}, and the trainer is at \
+                 {current} (max_staleness = {max_staleness}): the engine did not sample from the \
+                 trainer's weights",
+                t.uid
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn requests(trajs: &[&Trajectory], temperature: f64) -> Vec<ScoreRequest> {
@@ -152,14 +198,15 @@ fn requests(trajs: &[&Trajectory], temperature: f64) -> Vec<ScoreRequest> {
         .collect()
 }
 
-fn flat(t: &[Vec<f32>], idx: &[usize], dev: &candle_core::Device) -> candle_core::Result<Tensor> {
+/// The values of trajectories `idx` of `t`, concatenated into one `[N]` tensor.
+fn flat(t: &[Vec<f32>], idx: &[usize], dev: &Device) -> candle_core::Result<Tensor> {
     let v: Vec<f32> = idx.iter().flat_map(|&i| t[i].iter().copied()).collect();
     let n = v.len();
     Tensor::from_vec(v, n, dev)
 }
 
 impl PolicyTrainer {
-    /// Makes `policy` trainable and starts AdamW from its weights.
+    /// Makes `policy` trainable and starts AdamW from its weights, on the policy's device.
     pub fn new(
         mut policy: Qwen3,
         reference: Option<Qwen3>,
@@ -181,15 +228,26 @@ impl PolicyTrainer {
                     .to_vec1::<f32>()
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let optimizer = AdamW::new(update.optimizer, initial);
-        Ok(Self {
+        let mut trainer = Self {
+            optimizer: Box::new(AdamW::new(update.optimizer, Vec::new())),
             policy,
             vars,
             reference,
-            optimizer,
             algorithm,
             update,
-        })
+            weight_version: WeightVersion::default(),
+            max_staleness: 0,
+        };
+        trainer.restore_optimizer(AdamW::new(trainer.update.optimizer, initial))?;
+        Ok(trainer)
+    }
+
+    /// Puts `state` (host f32 master weights and moments, in variable order) in charge of the
+    /// weights: the host AdamW on a CPU, the tensor AdamW on the policy's device elsewhere.
+    pub fn restore_optimizer(&mut self, state: AdamW) -> Result<()> {
+        let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
+        self.optimizer = adamw_on(&self.policy.device, state, &vars)?;
+        Ok(())
     }
 
     /// The trainable parameters by name, in optimizer order.
@@ -202,230 +260,171 @@ impl PolicyTrainer {
         self.vars.iter().map(|(n, _)| n.as_str()).collect()
     }
 
-    /// Log-probs of every trajectory's response under `model`, without gradients (through a
-    /// detached view, so no autograd graph is recorded for the trainable policy).
-    fn score(&self, model: &Qwen3, trajs: &[&Trajectory]) -> Result<Vec<Vec<f32>>> {
-        Ok(model
-            .detached()
-            .score_batch(&requests(trajs, self.update.temperature))?)
+    /// Refuses trajectories the trainer may not learn from: see [`check_weight_versions`].
+    pub fn check_weight_versions(&self, trajs: &[Trajectory]) -> Result<()> {
+        check_weight_versions(trajs, self.weight_version, self.max_staleness)
     }
 
-    /// One training step's update on `trajs` (one batch).
-    pub fn step(&mut self, trajs: &[Trajectory]) -> Result<UpdateReport> {
-        let all: Vec<&Trajectory> = trajs.iter().collect();
-        let algo = self.algorithm.clone();
-        let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
-        let uids: Vec<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
-        let lens: Vec<usize> = trajs.iter().map(|t| t.response_ids.len()).collect();
-        let advantages = compute_advantages(&rewards, &uids, &lens, &algo.advantage);
-        let mut report = UpdateReport {
-            advantages: advantages.clone(),
-            ..Default::default()
-        };
-        let started = std::time::Instant::now();
-        // The pre-update policy's entropies, when the recompute pass already produced them.
-        let mut entropy_before: Option<Vec<Vec<f32>>> = None;
-        let old = match algo.old_logprobs {
+    /// `logp_old` of every trajectory: recomputed by the policy before the update (with its
+    /// entropies), or the engine's rollout log-probs.
+    pub fn old_logprobs(&self, trajs: &[Trajectory]) -> Result<OldPolicy> {
+        match self.algorithm.old_logprobs {
             OldLogprobs::Rollout => {
                 if let Some(i) = trajs.iter().position(|t| t.rollout_logprobs.is_empty()) {
                     return Err(TrainError::Invalid(format!(
                         "old_logprobs = \"rollout\" needs `rollout_logprobs`, and trajectory {i} has none"
                     )));
                 }
-                trajs.iter().map(|t| t.rollout_logprobs.clone()).collect()
+                Ok(OldPolicy {
+                    logprobs: trajs.iter().map(|t| t.rollout_logprobs.clone()).collect(),
+                    ..Default::default()
+                })
             }
             OldLogprobs::Recompute => {
-                let (old, h) = self
+                let all: Vec<&Trajectory> = trajs.iter().collect();
+                let (old, entropy) = self
                     .policy
                     .detached()
                     .score_batch_with_entropy(&requests(&all, self.update.temperature))?;
-                entropy_before = Some(h);
                 let pairs: Vec<(f32, f32)> = trajs
                     .iter()
                     .zip(&old)
                     .flat_map(|(t, o)| t.rollout_logprobs.iter().copied().zip(o.iter().copied()))
                     .collect();
-                if !pairs.is_empty() {
-                    let diff = pairs.iter().map(|(a, b)| (a - b).abs() as f64).sum::<f64>();
-                    report
-                        .metrics
-                        .insert("rollout_logprob_diff".into(), diff / pairs.len() as f64);
-                }
-                old
+                let diff = (!pairs.is_empty()).then(|| {
+                    pairs.iter().map(|(a, b)| (a - b).abs() as f64).sum::<f64>()
+                        / pairs.len() as f64
+                });
+                Ok(OldPolicy {
+                    logprobs: old,
+                    entropy: Some(entropy),
+                    rollout_logprob_diff: diff,
+                })
             }
+        }
+    }
+
+    /// The reference model's log-probs of every trajectory, when the KL term is on (through a
+    /// detached view, so no autograd graph is recorded).
+    pub fn ref_logprobs(&self, trajs: &[Trajectory]) -> Result<Option<Vec<Vec<f32>>>> {
+        match (&self.reference, self.algorithm.kl_coef > 0.0) {
+            (Some(r), true) => {
+                let all: Vec<&Trajectory> = trajs.iter().collect();
+                Ok(Some(
+                    r.detached()
+                        .score_batch(&requests(&all, self.update.temperature))?,
+                ))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The policy update of one training step on `trajs` with their `advantages`: for each PPO
+    /// epoch and mini-batch, one optimizer step. Advances [`PolicyTrainer::weight_version`].
+    pub fn update(
+        &mut self,
+        trajs: &[Trajectory],
+        advantages: &[f64],
+        old: &OldPolicy,
+        reference: Option<&[Vec<f32>]>,
+    ) -> Result<UpdateReport> {
+        let mut report = UpdateReport {
+            logprobs: vec![Vec::new(); trajs.len()],
+            ratios: vec![Vec::new(); trajs.len()],
+            ..Default::default()
         };
-        report
-            .metrics
-            .insert("time/old_logprobs".into(), started.elapsed().as_secs_f64());
-        let started = std::time::Instant::now();
-        let reference = match (&self.reference, algo.kl_coef > 0.0) {
-            (Some(r), true) => Some(self.score(r, &all)?),
-            _ => None,
-        };
-        report
-            .metrics
-            .insert("time/ref".into(), started.elapsed().as_secs_f64());
-        let started = std::time::Instant::now();
-        report.logprobs = vec![Vec::new(); trajs.len()];
-        report.ratios = vec![Vec::new(); trajs.len()];
         let mini = self
             .update
             .mini_batch_size
             .unwrap_or(trajs.len())
             .clamp(1, trajs.len());
         let mut sums = Sums::default();
+        let mut lr = 0.0;
         for _epoch in 0..self.update.ppo_epochs.max(1) {
             let order: Vec<usize> = (0..trajs.len()).collect();
             for batch in order.chunks(mini) {
-                let known = ScoredBefore {
-                    old: &old,
-                    reference: reference.as_deref(),
-                    entropy: entropy_before.as_deref(),
+                let mut acc: Vec<Option<Tensor>> = vec![None; self.vars.len()];
+                let totals = BatchTotals {
+                    tokens: batch.iter().map(|&i| trajs[i].response_ids.len()).sum(),
+                    sequences: batch.len(),
+                    loss_scale_factor: self.algorithm.loss_scale_factor,
                 };
-                self.optimizer_step(trajs, batch, &advantages, &known, &mut sums, &mut report)?;
+                for micro in batch.chunks(self.update.micro_batch_size.max(1)) {
+                    let (loss, m) =
+                        self.micro_batch(trajs, micro, advantages, old, reference, &totals)?;
+                    let mut at = 0;
+                    for &i in micro {
+                        let n = trajs[i].response_ids.len();
+                        if report.logprobs[i].is_empty() {
+                            report.logprobs[i] = m.logp[at..at + n].to_vec();
+                            report.ratios[i] = m.metrics.ratio[at..at + n].to_vec();
+                        }
+                        at += n;
+                    }
+                    sums.add(m.metrics);
+                    self.accumulate(&mut acc, &loss)?;
+                }
+                let applied = self.apply(acc)?;
+                report.grad_norm_per_param = applied.per_param;
+                sums.grad_norm += applied.grad_norm;
+                sums.optimizer_steps += 1;
+                lr = applied.lr;
             }
         }
-        report
-            .metrics
-            .insert("time/update".into(), started.elapsed().as_secs_f64());
-        let steps = sums.optimizer_steps.max(1) as f64;
-        let m = &mut report.metrics;
-        m.insert("loss".into(), sums.loss / steps);
-        m.insert("pg_loss".into(), sums.pg_loss / steps);
-        m.insert("kl".into(), sums.kl / steps);
-        m.insert("entropy".into(), sums.entropy / steps);
-        m.insert("grad_norm".into(), sums.grad_norm / steps);
-        m.insert(
-            "pg_clipfrac".into(),
-            sums.clipped as f64 / sums.tokens.max(1) as f64,
-        );
-        m.insert(
-            "pg_clipfrac_lower".into(),
-            sums.dual_clipped as f64 / sums.tokens.max(1) as f64,
-        );
-        m.insert("ppo_kl".into(), sums.ppo_kl / sums.tokens.max(1) as f64);
-        m.insert(
-            "frac_reward_zero_std".into(),
-            frac_zero_std_groups(&rewards, &uids),
-        );
-        let n = sums.ratios.len().max(1) as f64;
-        let mean = sums.ratios.iter().map(|&r| r as f64).sum::<f64>() / n;
-        m.insert("ratio_mean".into(), mean);
-        m.insert(
-            "ratio_max".into(),
-            sums.ratios
-                .iter()
-                .copied()
-                .fold(f32::NEG_INFINITY, f32::max) as f64,
-        );
-        m.insert(
-            "ratio_min".into(),
-            sums.ratios.iter().copied().fold(f32::INFINITY, f32::min) as f64,
-        );
-        report.old_logprobs = old;
-        report.ref_logprobs = reference;
+        self.weight_version = WeightVersion(self.weight_version.0 + 1);
+        report.metrics = sums.metrics();
+        report.metrics.insert("lr".into(), lr);
         Ok(report)
     }
 
-    /// The loss over one mini-batch (`batch` indexes `trajs`), micro-batch by micro-batch, then
-    /// one optimizer step.
-    fn optimizer_step(
-        &mut self,
+    /// The forward of micro-batch `micro` (indexes into `trajs`) and its loss.
+    fn micro_batch(
+        &self,
         trajs: &[Trajectory],
-        batch: &[usize],
+        micro: &[usize],
         advantages: &[f64],
-        known: &ScoredBefore,
-        sums: &mut Sums,
-        report: &mut UpdateReport,
-    ) -> Result<()> {
-        let (old, reference) = (known.old, known.reference);
+        old: &OldPolicy,
+        reference: Option<&[Vec<f32>]>,
+        totals: &BatchTotals,
+    ) -> Result<(Tensor, MicroBatchOutput)> {
         let algo = &self.algorithm;
         let dev = self.policy.device.clone();
-        let totals = BatchTotals {
-            tokens: batch.iter().map(|&i| trajs[i].response_ids.len()).sum(),
-            sequences: batch.len(),
-            loss_scale_factor: algo.loss_scale_factor,
+        let mtrajs: Vec<&Trajectory> = micro.iter().map(|&i| &trajs[i]).collect();
+        let lens: Vec<usize> = mtrajs.iter().map(|t| t.response_ids.len()).collect();
+        let entropy_mode = match (algo.entropy_coef != 0.0, &old.entropy) {
+            (true, _) => Entropy::Differentiable,
+            (false, Some(_)) => Entropy::None,
+            (false, None) => Entropy::Value,
         };
-        let mut acc: Vec<Option<Tensor>> = vec![None; self.vars.len()];
-        for micro in batch.chunks(self.update.micro_batch_size.max(1)) {
-            let mtrajs: Vec<&Trajectory> = micro.iter().map(|&i| &trajs[i]).collect();
-            let lens: Vec<usize> = mtrajs.iter().map(|t| t.response_ids.len()).collect();
-            let entropy_mode = match (algo.entropy_coef != 0.0, known.entropy) {
-                (true, _) => Entropy::Differentiable,
-                (false, Some(_)) => Entropy::None,
-                (false, None) => Entropy::Value,
-            };
-            let out = self
-                .policy
-                .response_logprobs(&requests(&mtrajs, self.update.temperature), entropy_mode)?;
-            let logp = out.logprobs;
-            let entropy = match (out.entropy, known.entropy) {
-                (Some(h), _) => h,
-                (None, Some(before)) => flat(before, micro, &dev)?,
-                (None, None) => return Err(TrainError::Invalid("entropy was not computed".into())),
-            };
-            let adv: Vec<f32> = micro
-                .iter()
-                .flat_map(|&i| {
-                    std::iter::repeat_n(advantages[i] as f32, trajs[i].response_ids.len())
-                })
-                .collect();
-            let adv = Tensor::from_vec(adv, logp.dims1()?, &dev)?;
-            let old_t = flat(old, micro, &dev)?;
-            let pl = policy_loss(&algo.policy_loss, &logp, &old_t, &adv, &lens)?;
-            let w = Tensor::from_vec(
-                token_weights(algo.loss_agg, &lens, &totals),
-                logp.dims1()?,
-                &dev,
-            )?;
-            let pg = (&pl.per_token * &w)?.sum_all()?;
-            let mut loss = pg.clone();
-            if let Some(r) = reference {
-                let ref_t = flat(r, micro, &dev)?;
-                let kw = token_weights(algo.kl_loss_agg, &lens, &totals);
-                let kw = Tensor::from_vec(kw, logp.dims1()?, &dev)?;
-                let kl = (kl_per_token(algo.kl_estimator, &logp, &ref_t)? * kw)?.sum_all()?;
-                sums.kl += kl.to_scalar::<f32>()? as f64;
-                loss = (loss + (kl * algo.kl_coef)?)?;
-            }
-            let ent = (&entropy * &w)?.sum_all()?;
-            sums.entropy += ent.to_scalar::<f32>()? as f64;
-            if algo.entropy_coef != 0.0 {
-                loss = (loss - (ent * algo.entropy_coef)?)?;
-            }
-            sums.pg_loss += pg.to_scalar::<f32>()? as f64;
-            sums.loss += loss.to_scalar::<f32>()? as f64;
-            sums.tokens += lens.iter().sum::<usize>();
-            sums.clipped += pl.clipped;
-            sums.dual_clipped += pl.dual_clipped;
-            let logp_v = logp.to_vec1::<f32>()?;
-            let old_v = old_t.to_vec1::<f32>()?;
-            sums.ppo_kl += old_v
-                .iter()
-                .zip(&logp_v)
-                .map(|(o, l)| (o - l) as f64)
-                .sum::<f64>();
-            sums.ratios.extend(&pl.ratio);
-            let mut at = 0;
-            for (&i, &n) in micro.iter().zip(&lens) {
-                if report.logprobs[i].is_empty() {
-                    report.logprobs[i] = logp_v[at..at + n].to_vec();
-                    report.ratios[i] = pl.ratio[at..at + n].to_vec();
-                }
-                at += n;
-            }
-            self.accumulate(&mut acc, &loss)?;
-        }
-        let Applied {
-            grad_norm,
-            lr,
-            per_param,
-        } = self.apply(acc)?;
-        report.grad_norm_per_param = per_param;
-        sums.grad_norm += grad_norm;
-        sums.optimizer_steps += 1;
-        report.metrics.insert("lr".into(), lr);
-        Ok(())
+        let out = self
+            .policy
+            .response_logprobs(&requests(&mtrajs, self.update.temperature), entropy_mode)?;
+        let entropy = match (out.entropy, &old.entropy) {
+            (Some(h), _) => h,
+            (None, Some(before)) => flat(before, micro, &dev)?,
+            (None, None) => return Err(TrainError::Invalid("entropy was not computed".into())),
+        };
+        let adv: Vec<f32> = micro
+            .iter()
+            .flat_map(|&i| std::iter::repeat_n(advantages[i] as f32, trajs[i].response_ids.len()))
+            .collect();
+        let adv = Tensor::from_vec(adv, out.logprobs.dims1()?, &dev)?;
+        let old_logp = flat(&old.logprobs, micro, &dev)?;
+        let ref_logp = reference.map(|r| flat(r, micro, &dev)).transpose()?;
+        let (loss, metrics) = micro_batch_loss(
+            algo,
+            &MicroBatch {
+                logp: &out.logprobs,
+                entropy: &entropy,
+                old_logp: &old_logp,
+                advantages: &adv,
+                ref_logp: ref_logp.as_ref(),
+                lens: &lens,
+                totals,
+            },
+        )?;
+        let logp = out.logprobs.to_vec1::<f32>()?;
+        Ok((loss, MicroBatchOutput { logp, metrics }))
     }
 
     /// Adds the gradient of `loss` to `acc` (one slot per parameter).
@@ -443,30 +442,37 @@ impl PolicyTrainer {
         Ok(())
     }
 
-    /// Clips the accumulated gradients and takes one AdamW step, writing the new weights into the
-    /// policy; returns the pre-clip norm, the learning rate used and each parameter's grad norm.
+    /// The mini-batch's gradients as one f32 tensor per parameter (zeros where the loss did not
+    /// reach it). This is the one place gradients are read after the backward passes: the
+    /// data-parallel all-reduce (or reduce-scatter) across ranks goes here.
+    pub fn reduce_gradients(&self, acc: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
+        self.vars
+            .iter()
+            .zip(acc)
+            .map(|((_, var), g)| match g {
+                Some(g) => Ok(g),
+                None => Ok(Tensor::zeros(
+                    var.as_tensor().shape(),
+                    DType::F32,
+                    var.as_tensor().device(),
+                )?),
+            })
+            .collect()
+    }
+
+    /// Reduces and clips the accumulated gradients and takes one optimizer step, which writes
+    /// the new weights into the policy; returns the pre-clip norm, the learning rate used and
+    /// each parameter's grad norm.
     fn apply(&mut self, acc: Vec<Option<Tensor>>) -> Result<Applied> {
-        let mut grads: Vec<Vec<f32>> = Vec::with_capacity(self.vars.len());
-        for ((_, var), g) in self.vars.iter().zip(acc) {
-            grads.push(match g {
-                Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
-                None => vec![0.0; var.as_tensor().elem_count()],
-            });
-        }
+        let mut grads = self.reduce_gradients(acc)?;
+        let squared = squared_norms(&grads)?;
         let per_param = self
             .vars
             .iter()
-            .zip(&grads)
-            .map(|((name, _), g)| {
-                let norm = g
-                    .iter()
-                    .map(|&x| (x as f64) * (x as f64))
-                    .sum::<f64>()
-                    .sqrt();
-                (name.clone(), norm)
-            })
+            .zip(&squared)
+            .map(|((name, _), sq)| (name.clone(), sq.sqrt()))
             .collect();
-        let grad_norm = clip_grad_norm(&mut grads, self.update.max_grad_norm);
+        let grad_norm = clip_grad_norm(&mut grads, &squared, self.update.max_grad_norm)?;
         if !grad_norm.is_finite() {
             return Err(TrainError::Invalid(format!(
                 "gradient norm is {grad_norm}: the update was skipped to keep the weights intact"
@@ -475,16 +481,12 @@ impl PolicyTrainer {
         let u = &self.update;
         let lr = u.lr_schedule.lr(
             u.optimizer.lr,
-            self.optimizer.step,
+            self.optimizer.steps(),
             u.warmup_steps,
             u.total_steps,
         );
-        self.optimizer.step(&grads, lr);
-        for ((_, var), state) in self.vars.iter().zip(&self.optimizer.params) {
-            let t =
-                Tensor::from_slice(&state.master, var.as_tensor().shape(), &self.policy.device)?;
-            var.set(&t.to_dtype(var.as_tensor().dtype())?)?;
-        }
+        let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
+        self.optimizer.update(&vars, &grads, lr)?;
         Ok(Applied {
             grad_norm,
             lr,
@@ -514,5 +516,63 @@ impl PolicyTrainer {
             ("lr".to_string(), lr),
             ("tokens".to_string(), tokens as f64),
         ]))
+    }
+}
+
+/// A micro-batch's log-probs (host copy, for the report) and loss metrics.
+struct MicroBatchOutput {
+    logp: Vec<f32>,
+    metrics: LossMetrics,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampled_at(versions: &[Option<u64>]) -> Vec<Trajectory> {
+        versions
+            .iter()
+            .enumerate()
+            .map(|(i, v)| Trajectory {
+                uid: format!("p{i}"),
+                prompt_ids: vec![1],
+                response_ids: vec![2],
+                reward: 0.0,
+                rollout_logprobs: Vec::new(),
+                finish_reason: None,
+                weight_version: v.map(WeightVersion),
+                images: Vec::new(),
+                pixels: Vec::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn on_policy_accepts_only_the_current_version() {
+        let now = WeightVersion(3);
+        assert!(check_weight_versions(&sampled_at(&[Some(3), Some(3)]), now, 0).is_ok());
+        let e = check_weight_versions(&sampled_at(&[Some(3), Some(2)]), now, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("trajectory 1 (uid p1)") && e.contains("v2") && e.contains("v3"),
+            "{e}"
+        );
+        assert!(matches!(
+            check_weight_versions(&sampled_at(&[Some(4)]), now, 5),
+            Err(TrainError::StaleWeights(_))
+        ));
+    }
+
+    #[test]
+    fn max_staleness_admits_that_many_versions_behind() {
+        let now = WeightVersion(5);
+        assert!(check_weight_versions(&sampled_at(&[Some(5), Some(4), Some(3)]), now, 2).is_ok());
+        assert!(check_weight_versions(&sampled_at(&[Some(2)]), now, 2).is_err());
+    }
+
+    #[test]
+    fn unversioned_trajectories_pass() {
+        assert!(check_weight_versions(&sampled_at(&[None, None]), WeightVersion(9), 0).is_ok());
     }
 }

@@ -6,8 +6,8 @@ use oxrl_algo::{AdvantageConfig, KlEstimator, LossAgg, PolicyLossConfig};
 use oxrl_fixtures::fixture;
 use oxrl_models::Qwen3;
 use oxrl_train::{
-    read_trajectories, AdamWConfig, AlgorithmConfig, LrSchedule, OldLogprobs, PolicyTrainer,
-    UpdateConfig, UpdateReport,
+    learn, read_trajectories, AdamWConfig, AlgorithmConfig, Learned, LrSchedule, OldLogprobs,
+    PhaseTimes, PolicyTrainer, UpdateConfig,
 };
 use serde_json::Value;
 
@@ -51,7 +51,7 @@ fn update(micro_batch_size: usize) -> UpdateConfig {
     }
 }
 
-fn run(micro_batch_size: usize) -> (PolicyTrainer, UpdateReport) {
+fn run(micro_batch_size: usize) -> (PolicyTrainer, Learned) {
     let dir = fixture("grpo-step");
     let policy = Qwen3::load(&dir.join("policy"), DType::F32, &Device::Cpu).unwrap();
     let reference = Qwen3::load(&dir.join("ref"), DType::F32, &Device::Cpu).unwrap();
@@ -63,8 +63,8 @@ fn run(micro_batch_size: usize) -> (PolicyTrainer, UpdateReport) {
         update(micro_batch_size),
     )
     .unwrap();
-    let report = trainer.step(&trajs).unwrap();
-    (trainer, report)
+    let learned = learn(&mut trainer, &trajs, &mut PhaseTimes::default()).unwrap();
+    (trainer, learned)
 }
 
 fn expected() -> Value {
@@ -97,8 +97,9 @@ fn per_token(v: &Value) -> Vec<Vec<f64>> {
 #[test]
 fn grpo_step_matches_verl() {
     let want = expected();
-    let (trainer, report) = run(12);
-    for (g, w) in report
+    let (trainer, learned) = run(12);
+    let report = &learned.report;
+    for (g, w) in learned
         .advantages
         .iter()
         .zip(want["advantages"].as_array().unwrap())
@@ -110,7 +111,7 @@ fn grpo_step_matches_verl() {
     }
     for (name, got) in [
         ("logprobs", &report.logprobs),
-        ("ref_logprobs", report.ref_logprobs.as_ref().unwrap()),
+        ("ref_logprobs", learned.reference.as_ref().unwrap()),
     ] {
         for (g, w) in got
             .iter()
@@ -199,7 +200,13 @@ fn micro_batching_does_not_change_the_step() {
     let (whole_trainer, whole) = run(12);
     let (split_trainer, split) = run(5);
     for key in ["loss", "pg_loss", "kl", "grad_norm", "pg_clipfrac"] {
-        rel_close(split.metrics[key], whole.metrics[key], 1e-5, 1e-7, key);
+        rel_close(
+            split.report.metrics[key],
+            whole.report.metrics[key],
+            1e-5,
+            1e-7,
+            key,
+        );
     }
     for ((n, a), (_, b)) in whole_trainer
         .policy

@@ -10,8 +10,8 @@
 //!
 //! Run from anywhere: `cargo run --release -p oxrl --example make_arithmetic_demo`.
 
-use candle_core::{DType, Device};
-use oxrl_models::Qwen3;
+use candle_core::DType;
+use oxrl_models::{Qwen3, HOST};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
@@ -38,7 +38,7 @@ fn main() {
         "tie_word_embeddings": true, "dtype": "float32", "initializer_range": 0.02,
         "bos_token_id": null, "eos_token_id": 258, "pad_token_id": 256,
     });
-    let model = Qwen3::random(config, 0, DType::F32, &Device::Cpu).expect("random init");
+    let model = Qwen3::random(config, 0, DType::F32, &HOST).expect("random init");
     let side = std::env::temp_dir().join("oxrl-arithmetic-tokenizer");
     write(
         &side.join("tokenizer.json"),

@@ -15,9 +15,9 @@
 
 mod common;
 
-use candle_core::{DType, Device};
+use candle_core::DType;
 use common::{tokenizer_json, warm_up, write};
-use oxrl_models::Qwen3;
+use oxrl_models::{Qwen3, HOST};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
@@ -86,7 +86,7 @@ fn main() {
             "hidden_act": "gelu_pytorch_tanh",
         },
     });
-    let model = Qwen3::random(config, 0, DType::F32, &Device::Cpu).expect("random init");
+    let model = Qwen3::random(config, 0, DType::F32, &HOST).expect("random init");
     let side = std::env::temp_dir().join("oxrl-shapes-tokenizer");
     write(
         &side.join("tokenizer.json"),

@@ -3,9 +3,10 @@
 //! figures compare side by side with transformers on the same machine.
 
 use anyhow::Result;
-use candle_core::{DType, Device};
-use oxrl_models::Qwen3;
-use oxrl_rollout::{Engine, LocalEngine, SamplerConfig, SamplingParams};
+use candle_core::DType;
+use oxrl_models::{Qwen3, HOST};
+use oxrl_rollout::{Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams};
+use oxrl_train::{learn, PhaseTimes};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
@@ -85,7 +86,7 @@ pub fn w1_model(seed: u64) -> Result<Qwen3> {
         "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "max_position_embeddings": 40960, "tie_word_embeddings": true, "torch_dtype": "float32",
     });
-    Ok(Qwen3::random(config, seed, DType::F32, &Device::Cpu)?)
+    Ok(Qwen3::random(config, seed, DType::F32, &HOST)?)
 }
 
 /// W1's text model under a Qwen3-VL vision tower (depth 4, hidden 256, 4 heads, MLP 1024, a
@@ -108,7 +109,7 @@ pub fn vl_w1_model(seed: u64) -> Result<Qwen3> {
             "deepstack_visual_indexes": [1, 3],
         },
     });
-    Ok(Qwen3::random(config, seed, DType::F32, &Device::Cpu)?)
+    Ok(Qwen3::random(config, seed, DType::F32, &HOST)?)
 }
 
 /// A random RGB picture of `side × side`, processed for `model`.
@@ -148,11 +149,8 @@ fn vision(b: VisionBench) -> Result<()> {
     let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
     let pixels: Vec<f32> = images.iter().flat_map(|i| i.pixel_values.clone()).collect();
     let rows = pixels.len() / vision.tower.config.patch_dim();
-    let pixels = candle_core::Tensor::from_vec(
-        pixels,
-        (rows, vision.tower.config.patch_dim()),
-        &Device::Cpu,
-    )?;
+    let pixels =
+        candle_core::Tensor::from_vec(pixels, (rows, vision.tower.config.patch_dim()), &HOST)?;
     vision.tower.forward(&pixels, &grids)?; // warm-up
     let reps = 3;
     let start = Instant::now();
@@ -178,7 +176,15 @@ fn vision(b: VisionBench) -> Result<()> {
             p
         })
         .collect();
-    let prompt_images: Vec<Vec<_>> = images.iter().map(|i| vec![i.clone()]).collect();
+    let prompt_images: Vec<Vec<_>> = images
+        .iter()
+        .map(|i| {
+            vec![PromptImage {
+                pixels: i.clone(),
+                source: None,
+            }]
+        })
+        .collect();
     let (secs, m) = vl_grpo_step(
         model,
         vl_w1_model(1)?,
@@ -226,7 +232,7 @@ fn vl_grpo_step(
     policy: Qwen3,
     reference: Qwen3,
     prompts: &[Vec<u32>],
-    images: &[Vec<Arc<oxrl_models::ProcessedImage>>],
+    images: &[Vec<PromptImage>],
     b: &VisionBench,
     rng: &mut ChaCha8Rng,
 ) -> Result<(f64, std::collections::BTreeMap<String, f64>)> {
@@ -242,7 +248,9 @@ fn vl_grpo_step(
     let out = engine.generate_with_images(prompts, images, &params)?;
     let rollout = start.elapsed().as_secs_f64();
     let trajs = random_reward_trajectories(prompts, images, &out, rng);
-    let mut m = trainer.step(&trajs)?.metrics;
+    let mut time = PhaseTimes::default();
+    let mut m = learn(&mut trainer, &trajs, &mut time)?.report.metrics;
+    m.extend(time.into_metrics());
     m.insert("time/rollout".into(), rollout);
     let secs = start.elapsed().as_secs_f64();
     Ok((secs, m))
@@ -296,7 +304,7 @@ fn bench_trainer(
 /// given) in group `p`, with a random 0/1 reward.
 fn random_reward_trajectories(
     prompts: &[Vec<u32>],
-    images: &[Vec<Arc<oxrl_models::ProcessedImage>>],
+    images: &[Vec<PromptImage>],
     completions: &[Vec<oxrl_rollout::Completion>],
     rng: &mut ChaCha8Rng,
 ) -> Vec<oxrl_train::Trajectory> {
@@ -310,8 +318,12 @@ fn random_reward_trajectories(
                 reward: rng.random_range(0..2) as f64,
                 rollout_logprobs: c.logprobs.clone(),
                 finish_reason: None,
+                weight_version: Some(c.weight_version),
                 images: Vec::new(),
-                pixels: images.get(p).cloned().unwrap_or_default(),
+                pixels: images
+                    .get(p)
+                    .map(|im| im.iter().map(|i| i.pixels.clone()).collect())
+                    .unwrap_or_default(),
             });
         }
     }
@@ -389,7 +401,7 @@ fn generate(b: GenerateBench) -> Result<()> {
 /// Achieved f32 GFLOP/s of one large square matmul, the peak the step is compared with.
 fn matmul_peak_gflops() -> Result<f64> {
     let n = 1024;
-    let a = candle_core::Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+    let a = candle_core::Tensor::randn(0f32, 1.0, (n, n), &HOST)?;
     let _ = a.matmul(&a)?;
     let start = Instant::now();
     let reps = 8;
@@ -462,7 +474,10 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         )?;
         let rollout = start.elapsed().as_secs_f64();
         let trajs = random_reward_trajectories(&prompts, &[], &out, &mut rng);
-        let mut m = trainer.step(&trajs)?.metrics;
+        let mut time = PhaseTimes::default();
+        let mut m = learn(&mut trainer, &trajs, &mut time)?.report.metrics;
+        m.extend(time.into_metrics());
+        engine.sync_weights(&trainer.policy, trainer.weight_version)?;
         m.insert("time/rollout".into(), rollout);
         m.insert("time/step".into(), start.elapsed().as_secs_f64());
         eprintln!("step {}: {:.2} s", step + 1, m["time/step"]);

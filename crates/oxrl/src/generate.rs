@@ -4,12 +4,11 @@ use crate::input::{prompt_with_images, read_jsonl, ChatOptions};
 use crate::load::{load, DTypeArg};
 use crate::output::write_jsonl;
 use anyhow::{bail, Context, Result};
-use oxrl_models::ProcessedImage;
-use oxrl_rollout::{Engine, LocalEngine, SamplerConfig, SamplingParams};
+use oxrl_models::DeviceSpec;
+use oxrl_rollout::{Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams};
 use serde_json::{json, Value};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["prompt", "input"])))]
@@ -62,6 +61,9 @@ pub struct GenerateArgs {
     ignore_eos: bool,
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
+    /// Where the model runs: cpu, cuda or cuda:N (a GPU needs a build with `--features cuda`).
+    #[arg(long, default_value_t = DeviceSpec::Cpu)]
+    device: DeviceSpec,
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
@@ -69,52 +71,51 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         Some(path) => Some(read_jsonl(path)?),
         None => None,
     };
-    let loaded = load(&args.model, args.dtype)?;
+    let loaded = load(&args.model, args.dtype, args.device)?;
     let tok = loaded.tokenizer.as_deref();
     let chat = ChatOptions {
         enable_thinking: args.enable_thinking,
     };
-    let (prompts, images): (Vec<Vec<u32>>, Vec<Vec<Arc<ProcessedImage>>>) =
-        match (&lines, &args.prompt) {
-            (Some(lines), _) => {
-                let path = args.input.clone().unwrap_or_default();
-                let base = path.parent().unwrap_or(Path::new("."));
-                lines
+    let (prompts, images): (Vec<Vec<u32>>, Vec<Vec<PromptImage>>) = match (&lines, &args.prompt) {
+        (Some(lines), _) => {
+            let path = args.input.clone().unwrap_or_default();
+            let base = path.parent().unwrap_or(Path::new("."));
+            lines
+                .iter()
+                .map(|line| {
+                    prompt_with_images(&line.fields, tok, &chat, &loaded.model, base)
+                        .with_context(|| format!("{}:{}", path.display(), line.number))
+                })
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .unzip()
+        }
+        (None, Some(text)) => {
+            if !args.images.is_empty() && !args.chat {
+                bail!("--image needs --chat: the chat template places the image in the prompt");
+            }
+            let mut fields = serde_json::Map::new();
+            if args.chat {
+                let mut content: Vec<Value> = args
+                    .images
                     .iter()
-                    .map(|line| {
-                        prompt_with_images(&line.fields, tok, &chat, &loaded.model, base)
-                            .with_context(|| format!("{}:{}", path.display(), line.number))
-                    })
-                    .collect::<Result<Vec<_>>>()?
-                    .into_iter()
-                    .unzip()
+                    .map(|p| json!({"type": "image", "image": p.display().to_string()}))
+                    .collect();
+                content.push(json!({"type": "text", "text": text}));
+                fields.insert(
+                    "messages".into(),
+                    json!([{"role": "user", "content": content}]),
+                );
+            } else {
+                fields.insert("prompt".into(), Value::String(text.clone()));
             }
-            (None, Some(text)) => {
-                if !args.images.is_empty() && !args.chat {
-                    bail!("--image needs --chat: the chat template places the image in the prompt");
-                }
-                let mut fields = serde_json::Map::new();
-                if args.chat {
-                    let mut content: Vec<Value> = args
-                        .images
-                        .iter()
-                        .map(|p| json!({"type": "image", "image": p.display().to_string()}))
-                        .collect();
-                    content.push(json!({"type": "text", "text": text}));
-                    fields.insert(
-                        "messages".into(),
-                        json!([{"role": "user", "content": content}]),
-                    );
-                } else {
-                    fields.insert("prompt".into(), Value::String(text.clone()));
-                }
-                let (ids, imgs) =
-                    prompt_with_images(&fields, tok, &chat, &loaded.model, Path::new("."))
-                        .context("--prompt")?;
-                (vec![ids], vec![imgs])
-            }
-            (None, None) => bail!("give --prompt or --input"),
-        };
+            let (ids, imgs) =
+                prompt_with_images(&fields, tok, &chat, &loaded.model, Path::new("."))
+                    .context("--prompt")?;
+            (vec![ids], vec![imgs])
+        }
+        (None, None) => bail!("give --prompt or --input"),
+    };
     let params = SamplingParams {
         n: args.n,
         max_new_tokens: args.max_new_tokens,

@@ -4,10 +4,10 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use oxrl_models::image::prompt_image_sources;
-use oxrl_models::{ProcessedImage, Qwen3, Tokenizer};
+use oxrl_models::{Qwen3, Tokenizer};
+use oxrl_rollout::PromptImage;
 use serde_json::{Map, Value};
 use std::path::Path;
-use std::sync::Arc;
 
 /// One non-blank input line: its 1-based number and its object.
 pub struct Line {
@@ -141,7 +141,7 @@ pub fn prompt_with_images(
     chat: &ChatOptions,
     model: &Qwen3,
     base: &Path,
-) -> Result<(Vec<u32>, Vec<Arc<ProcessedImage>>)> {
+) -> Result<(Vec<u32>, Vec<PromptImage>)> {
     let messages = fields
         .get("messages")
         .or_else(|| fields.get("prompt").filter(|p| p.is_array()));
@@ -150,5 +150,13 @@ pub fn prompt_with_images(
     let images = model.prepare_images(&sources)?;
     let ids = prompt_ids(fields, tokenizer, chat)?;
     let ids = model.expand_image_pads(&ids, &images)?;
+    let images = images
+        .into_iter()
+        .zip(&sources)
+        .map(|(pixels, source)| PromptImage {
+            pixels,
+            source: Some(source.to_reference()),
+        })
+        .collect();
     Ok((ids, images))
 }

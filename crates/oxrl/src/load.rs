@@ -2,8 +2,8 @@
 //! the tokenizer when the checkpoint has one, and the ids that end generation.
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
-use oxrl_models::{eos_token_ids, hub::resolve_model, Qwen3, Tokenizer};
+use candle_core::DType;
+use oxrl_models::{eos_token_ids, hub::resolve_model, DeviceSpec, Qwen3, Tokenizer};
 use std::sync::Arc;
 
 /// Compute dtype of the model's forward pass (stored weights are converted on load).
@@ -30,9 +30,10 @@ pub struct Loaded {
     pub eos_token_ids: Vec<u32>,
 }
 
-pub fn load(reference: &str, dtype: DTypeArg) -> Result<Loaded> {
+pub fn load(reference: &str, dtype: DTypeArg, device: DeviceSpec) -> Result<Loaded> {
     let dir = resolve_model(reference)?;
-    let model = Qwen3::load(&dir, dtype.dtype(), &Device::Cpu)
+    let device = device.open()?;
+    let model = Qwen3::load(&dir, dtype.dtype(), &device)
         .with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = match dir.join("tokenizer.json").exists() {
         true => Some(Arc::new(Tokenizer::from_dir(&dir)?)),

@@ -5,6 +5,7 @@ use crate::input::{prompt_with_images, read_jsonl, response_ids, ChatOptions};
 use crate::load::{load, DTypeArg};
 use crate::output::write_jsonl;
 use anyhow::{anyhow, Context, Result};
+use oxrl_models::DeviceSpec;
 use oxrl_models::ScoreRequest;
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -26,11 +27,14 @@ pub struct ScoreArgs {
     /// `enable_thinking` passed to the chat template for `messages` prompts.
     #[arg(long)]
     enable_thinking: Option<bool>,
+    /// Where the model runs: cpu, cuda or cuda:N (a GPU needs a build with `--features cuda`).
+    #[arg(long, default_value_t = DeviceSpec::Cpu)]
+    device: DeviceSpec,
 }
 
 pub fn run(args: ScoreArgs) -> Result<()> {
     let lines = read_jsonl(&args.input)?;
-    let loaded = load(&args.model, args.dtype)?;
+    let loaded = load(&args.model, args.dtype, args.device)?;
     let tok = loaded.tokenizer.as_deref();
     let chat = ChatOptions {
         enable_thinking: args.enable_thinking,
@@ -53,7 +57,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
                 prompt_ids,
                 response_ids: response_ids(&line.fields, tok)?,
                 temperature,
-                images,
+                images: images.into_iter().map(|im| im.pixels).collect(),
             };
             let all: Vec<u32> = request
                 .prompt_ids

@@ -178,6 +178,48 @@ fn resume_continues_exactly_where_the_run_stopped() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Every sampled trajectory records the weights that sampled it: step `s` samples with the
+/// weights after `s − 1` updates. A saved file still replays (its versions are another run's).
+#[test]
+fn rollouts_record_the_weight_version_that_sampled_them() {
+    let dir = temp_dir("versions");
+    let config = demo_config(&dir, 2, 2);
+    let out = dir.join("run");
+    ok(&oxrl(&[
+        "train",
+        "--config",
+        s(&config),
+        "--output-dir",
+        s(&out),
+        "--save-rollouts",
+    ]));
+    for step in 1..=2u64 {
+        let text =
+            std::fs::read_to_string(out.join(format!("rollouts/step-{step}.jsonl"))).unwrap();
+        assert!(!text.is_empty());
+        for line in text.lines() {
+            let t: Value = serde_json::from_str(line).unwrap();
+            assert_eq!(
+                t["weight_version"].as_u64(),
+                Some(step - 1),
+                "step {step}: {line}"
+            );
+        }
+    }
+    let replayed = dir.join("replay");
+    ok(&oxrl(&[
+        "train",
+        "--config",
+        s(&config),
+        "--rollouts",
+        s(&out.join("rollouts/step-2.jsonl")),
+        "--output-dir",
+        s(&replayed),
+    ]));
+    assert!(replayed.join("checkpoint-1").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A short run of the bundled demo: its reward rises, and it writes the chart.
 #[test]
 fn the_demo_learns() {
