@@ -12,10 +12,11 @@
 pub use crate::config_file::ConfigError;
 use crate::config_file::Given;
 pub use crate::config_keys::{explain, markdown, KeySpec, KEYS};
-use crate::optim::{AdamWConfig, LrSchedule};
+use crate::config_keys::{LR_SCHEDULES, OLD_LOGPROBS};
+use crate::optim::AdamWConfig;
 use crate::reward_config::{resolve_function, FunctionTable};
 pub use crate::reward_config::{RewardFunction, RewardKind};
-use crate::update::{AlgorithmConfig, OldLogprobs, UpdateConfig};
+use crate::update::{AlgorithmConfig, UpdateConfig};
 use oxrl_algo::{
     AdvantageConfig, AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, PolicyLossConfig,
 };
@@ -127,13 +128,17 @@ fn entry<T>(
     from_name(&given.value::<String>(dotted)).map_err(|e| given.bad(dotted, e))
 }
 
-/// A value of a small fixed choice outside the registries (`old_logprobs`, `lr_schedule`).
-fn choice<T: Copy>(given: &Given, dotted: &str, table: &[(&str, T)]) -> Result<T, ConfigError> {
+/// The value a checked key names in a `(name, meaning, value)` table of the catalogue.
+fn choice<T: Copy>(
+    given: &Given,
+    dotted: &str,
+    table: &[(&str, &str, T)],
+) -> Result<T, ConfigError> {
     let name: String = given.value(dotted);
     table
         .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, v)| *v)
+        .find(|(n, _, _)| *n == name)
+        .map(|(_, _, v)| *v)
         .ok_or_else(|| given.bad(dotted, format!("unknown value \"{name}\"")))
 }
 
@@ -245,14 +250,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         loss_scale_factor: given
             .get("algorithm.loss_scale_factor")
             .unwrap_or(rollout.max_new_tokens as f64),
-        old_logprobs: choice(
-            given,
-            "algorithm.old_logprobs",
-            &[
-                ("recompute", OldLogprobs::Recompute),
-                ("rollout", OldLogprobs::Rollout),
-            ],
-        )?,
+        old_logprobs: choice(given, "algorithm.old_logprobs", OLD_LOGPROBS)?,
         entropy_coef: given.value("algorithm.entropy_coef"),
     };
 
@@ -270,15 +268,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
     let batch_size = pick("batch_size")?.unwrap_or_else(|| given.value("trainer.batch_size"));
     let gas = pick("gradient_accumulation_steps")?;
     let micro_batch_size: usize = given.value("trainer.micro_batch_size");
-    let lr_schedule = choice(
-        given,
-        "trainer.lr_schedule",
-        &[
-            ("constant", LrSchedule::Constant),
-            ("linear", LrSchedule::Linear),
-            ("cosine", LrSchedule::Cosine),
-        ],
-    )?;
+    let lr_schedule = choice(given, "trainer.lr_schedule", LR_SCHEDULES)?;
     let max_steps: u64 = given.value("trainer.max_steps");
     let trajectories_per_step = batch_size * rollout.n_samples_per_prompt;
     let mini_batch_size = gas.map(|g| g * micro_batch_size);

@@ -9,6 +9,7 @@
 //! README's list.
 
 use crate::optim::LrSchedule;
+use crate::update::OldLogprobs;
 use oxrl_algo::{AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, Registered};
 use oxrl_reward::code::CodeSpec;
 use oxrl_reward::rules::RULE_TYPES;
@@ -154,6 +155,39 @@ pub fn preset(name: &str) -> Option<&'static Preset> {
 /// The names the flat `algorithm` key accepts, for messages.
 pub fn preset_names() -> Vec<&'static str> {
     PRESETS.iter().map(|p| p.names[0]).collect()
+}
+
+/// `[algorithm] old_logprobs`: each name, what it means, what it resolves to.
+pub const OLD_LOGPROBS: &[(&str, &str, OldLogprobs)] = &[
+    (
+        "recompute",
+        "with the policy before the update",
+        OldLogprobs::Recompute,
+    ),
+    ("rollout", "the engine's, as sampled", OldLogprobs::Rollout),
+];
+
+/// `[trainer] lr_schedule`: each name, what it means, what it resolves to.
+pub const LR_SCHEDULES: &[(&str, &str, LrSchedule)] = &[
+    ("constant", "", LrSchedule::Constant),
+    (
+        "linear",
+        "linear decay to 0 at the last step",
+        LrSchedule::Linear,
+    ),
+    (
+        "cosine",
+        "a half cosine to 0 at the last step",
+        LrSchedule::Cosine,
+    ),
+];
+
+/// A `(name, meaning, value)` table as choices.
+fn table_choices<T>(table: &[(&'static str, &'static str, T)]) -> Vec<Choice> {
+    table
+        .iter()
+        .map(|(name, meaning, _)| choice(name, meaning))
+        .collect()
 }
 
 /// The entries of an `oxrl-algo` registry as choices.
@@ -349,7 +383,7 @@ pub const KEYS: &[KeySpec] = table! {
     key("algorithm", "loss_agg", Kind::OneOf(registry::<LossAgg>), Value("\"token_mean\""), "aggregation of the policy loss over a mini-batch"),
     key("algorithm", "kl_loss_agg", Kind::OneOf(registry::<LossAgg>), Text("= loss_agg"), "aggregation of the KL term"),
     key("algorithm", "loss_scale_factor", Kind::Float(Positive), Text("= max_new_tokens"), "L_max of seq_mean_token_sum_norm"),
-    key("algorithm", "old_logprobs", Kind::OneOf(|| vec![choice("recompute", "with the policy before the update"), choice("rollout", "the engine's, as sampled")]), Value("\"recompute\""), "where logp_old comes from"),
+    key("algorithm", "old_logprobs", Kind::OneOf(|| table_choices(OLD_LOGPROBS)), Value("\"recompute\""), "where logp_old comes from"),
     key("algorithm", "entropy_coef", Kind::Float(Range::Any), Value("0.0"), "entropy bonus coefficient"),
     key("trainer", "batch_size", int(1), Value("8"), "prompts per step (x n_samples_per_prompt trajectories)"),
     key("trainer", "micro_batch_size", int(1), Value("8"), "trajectories per forward/backward"),
@@ -361,7 +395,7 @@ pub const KEYS: &[KeySpec] = table! {
     key("trainer", "adam_eps", Kind::Float(NonNegative), Value("1e-8"), "AdamW epsilon"),
     key("trainer", "weight_decay", Kind::Float(NonNegative), Value("0.01"), "decoupled weight decay, every parameter"),
     key("trainer", "max_grad_norm", Kind::Float(NonNegative), Value("1.0"), "global gradient-norm clip"),
-    key("trainer", "lr_schedule", Kind::OneOf(|| LrSchedule::NAMES.iter().map(|n| choice(n, "")).collect()), Value("\"constant\""), "learning-rate schedule, each after warmup"),
+    key("trainer", "lr_schedule", Kind::OneOf(|| table_choices(LR_SCHEDULES)), Value("\"constant\""), "learning-rate schedule, each after warmup"),
     key("trainer", "warmup_steps", int(0), Value("0"), "linear warmup optimizer steps"),
     key("trainer", "eval_every", int(0), Value("0"), "validation every N steps (0: at the start and end only), when [data] val_files is set"),
     key("trainer", "save_every", int(0), Value("0"), "checkpoint every N steps (0 = only at the end)"),
