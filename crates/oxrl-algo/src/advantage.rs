@@ -1,41 +1,40 @@
 //! Outcome advantage estimators: one scalar reward per response, an advantage per response that
 //! every one of its tokens receives. Groups are the responses sharing a prompt uid.
 
-use crate::{lookup, UnknownName};
 use std::collections::HashMap;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AdvantageEstimator {
-    /// A_i = (r_i − mean_g r) / (std_g r + ε), std with n − 1; without the std (Dr. GRPO) when
-    /// `norm_adv_by_std` is false.
-    Grpo,
-    /// Leave-one-out baseline: A_i = r_i − mean_{j≠i} r_j.
-    Rloo,
-    /// REINFORCE++-baseline: subtract the group mean, then whiten over every token of the batch.
-    ReinforceBaseline,
+/// An estimator: how a batch's rewards become advantages, and the default of
+/// `norm_adv_by_std` the config resolves for it.
+#[derive(Clone, Copy)]
+struct Estimator {
+    compute: fn(&Batch, &AdvantageConfig) -> Vec<f64>,
+    norm_adv_by_std: bool,
 }
 
-const REGISTRY: [(&str, AdvantageEstimator); 4] = [
-    ("grpo", AdvantageEstimator::Grpo),
-    ("dr_grpo", AdvantageEstimator::Grpo),
-    ("rloo", AdvantageEstimator::Rloo),
-    ("reinforce_baseline", AdvantageEstimator::ReinforceBaseline),
-];
+registry! {
+    pub enum AdvantageEstimator: "advantage estimator" => Estimator {
+        Grpo = "grpo" => Estimator { compute: grpo, norm_adv_by_std: true },
+            "A_i = (r_i − mean_g r) / (std_g r + ε), std with n − 1 (GRPO)";
+        DrGrpo = "dr_grpo" => Estimator { compute: grpo, norm_adv_by_std: false },
+            "GRPO without the std: A_i = r_i − mean_g r (Dr. GRPO; norm_adv_by_std defaults to false)";
+        Rloo = "rloo" => Estimator { compute: rloo, norm_adv_by_std: true },
+            "leave-one-out baseline: A_i = r_i − mean_{j≠i} r_j (RLOO)";
+        ReinforceBaseline = "reinforce_baseline" => Estimator { compute: reinforce_baseline, norm_adv_by_std: true },
+            "REINFORCE++-baseline: r_i − mean_g r, whitened over every token of the batch";
+    }
+}
 
 impl AdvantageEstimator {
-    /// `dr_grpo` is `grpo` without the std; the caller sets `norm_adv_by_std = false` for it.
-    pub fn from_name(name: &str) -> Result<Self, UnknownName> {
-        lookup("advantage estimator", name, &REGISTRY)
-    }
-
-    pub fn names() -> Vec<&'static str> {
-        REGISTRY.iter().map(|(n, _)| *n).collect()
+    /// Whether this estimator divides by the group std when `norm_adv_by_std` is not given.
+    pub fn norm_adv_by_std_default(self) -> bool {
+        self.implementation().norm_adv_by_std
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdvantageConfig {
     pub estimator: AdvantageEstimator,
+    /// Divide by the group std (GRPO's estimators only).
     pub norm_adv_by_std: bool,
     /// ε in the GRPO denominator: 1e-6 as verl and SkyRL (TRL uses 1e-4).
     pub eps: f64,
@@ -43,11 +42,37 @@ pub struct AdvantageConfig {
 
 impl Default for AdvantageConfig {
     fn default() -> Self {
+        let estimator = AdvantageEstimator::Grpo;
         Self {
-            estimator: AdvantageEstimator::Grpo,
-            norm_adv_by_std: true,
+            estimator,
+            norm_adv_by_std: estimator.norm_adv_by_std_default(),
             eps: 1e-6,
         }
+    }
+}
+
+/// One response's reward per entry, its group, and its token count.
+struct Batch<'a> {
+    rewards: &'a [f64],
+    groups: Vec<Vec<usize>>,
+    token_counts: &'a [usize],
+}
+
+impl Batch<'_> {
+    /// `per_response(group, group mean, i)` for every response `i`. A group of one has no
+    /// baseline (mean 0, std 1), so it keeps its reward.
+    fn per_group(&self, per_response: impl Fn(&[usize], f64, usize) -> f64) -> Vec<f64> {
+        let mut adv = vec![0.0; self.rewards.len()];
+        for group in &self.groups {
+            let m = mean(group.iter().map(|&i| self.rewards[i]));
+            for &i in group {
+                adv[i] = match group.len() {
+                    1 => self.rewards[i],
+                    _ => per_response(group, m, i),
+                };
+            }
+        }
+        adv
     }
 }
 
@@ -78,27 +103,37 @@ pub fn compute_advantages<G: Eq + std::hash::Hash>(
     token_counts: &[usize],
     cfg: &AdvantageConfig,
 ) -> Vec<f64> {
-    let mut adv = vec![0.0; rewards.len()];
-    for group in groups(uids) {
-        let n = group.len();
-        let m = mean(group.iter().map(|&i| rewards[i]));
-        for &i in &group {
-            adv[i] = match cfg.estimator {
-                // A group of one has no baseline: mean 0, std 1.
-                _ if n == 1 => rewards[i],
-                AdvantageEstimator::Grpo if cfg.norm_adv_by_std => {
-                    let var = group.iter().map(|&j| (rewards[j] - m).powi(2)).sum::<f64>()
-                        / (n - 1) as f64;
-                    (rewards[i] - m) / (var.sqrt() + cfg.eps)
-                }
-                AdvantageEstimator::Grpo | AdvantageEstimator::ReinforceBaseline => rewards[i] - m,
-                AdvantageEstimator::Rloo => (rewards[i] - m) * n as f64 / (n - 1) as f64,
-            };
+    let batch = Batch {
+        rewards,
+        groups: groups(uids),
+        token_counts,
+    };
+    (cfg.estimator.implementation().compute)(&batch, cfg)
+}
+
+fn grpo(b: &Batch, cfg: &AdvantageConfig) -> Vec<f64> {
+    let r = b.rewards;
+    b.per_group(|group, m, i| match cfg.norm_adv_by_std {
+        true => {
+            let var =
+                group.iter().map(|&j| (r[j] - m).powi(2)).sum::<f64>() / (group.len() - 1) as f64;
+            (r[i] - m) / (var.sqrt() + cfg.eps)
         }
-    }
-    if cfg.estimator == AdvantageEstimator::ReinforceBaseline {
-        whiten_over_tokens(&mut adv, token_counts);
-    }
+        false => r[i] - m,
+    })
+}
+
+/// r_i − mean_{j≠i} r_j = (r_i − mean) · n / (n − 1).
+fn rloo(b: &Batch, _: &AdvantageConfig) -> Vec<f64> {
+    b.per_group(|group, m, i| {
+        let n = group.len();
+        (b.rewards[i] - m) * n as f64 / (n - 1) as f64
+    })
+}
+
+fn reinforce_baseline(b: &Batch, _: &AdvantageConfig) -> Vec<f64> {
+    let mut adv = b.per_group(|_, m, i| b.rewards[i] - m);
+    whiten_over_tokens(&mut adv, b.token_counts);
     adv
 }
 
@@ -165,6 +200,19 @@ mod tests {
     fn dr_grpo_only_subtracts_the_mean() {
         let cfg = AdvantageConfig {
             norm_adv_by_std: false,
+            ..Default::default()
+        };
+        let adv = compute_advantages(&[1.0, 0.0, 0.5], &[0, 0, 0], &[1; 3], &cfg);
+        close(&adv, &[0.5, -0.5, 0.0]);
+    }
+
+    #[test]
+    fn dr_grpo_defaults_to_no_std() {
+        let estimator = AdvantageEstimator::from_name("dr_grpo").unwrap();
+        assert!(!estimator.norm_adv_by_std_default());
+        let cfg = AdvantageConfig {
+            estimator,
+            norm_adv_by_std: estimator.norm_adv_by_std_default(),
             ..Default::default()
         };
         let adv = compute_advantages(&[1.0, 0.0, 0.5], &[0, 0, 0], &[1; 3], &cfg);

@@ -3,34 +3,17 @@
 //! and its number of responses), so summing micro-batch losses gives exactly the unsplit batch's
 //! loss, whatever the split.
 
-use crate::{lookup, UnknownName};
+/// The weight of each token of a sequence of `n` tokens in a mini-batch with `totals`.
+type TokenWeight = fn(n: usize, totals: &BatchTotals) -> f64;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LossAgg {
-    /// Σ L / Σ tokens (verl, SkyRL, TRL `dapo`).
-    TokenMean,
-    /// (1/B) Σ_i mean_t L (original GRPO, TRL `grpo`).
-    SeqMeanTokenMean,
-    /// (1/B) Σ_i Σ_t L.
-    SeqMeanTokenSum,
-    /// (1/(B·L_max)) Σ_i Σ_t L with a constant L_max (Dr. GRPO).
-    SeqMeanTokenSumNorm,
-}
-
-const REGISTRY: [(&str, LossAgg); 4] = [
-    ("token_mean", LossAgg::TokenMean),
-    ("seq_mean_token_mean", LossAgg::SeqMeanTokenMean),
-    ("seq_mean_token_sum", LossAgg::SeqMeanTokenSum),
-    ("seq_mean_token_sum_norm", LossAgg::SeqMeanTokenSumNorm),
-];
-
-impl LossAgg {
-    pub fn from_name(name: &str) -> Result<Self, UnknownName> {
-        lookup("loss aggregation", name, &REGISTRY)
-    }
-
-    pub fn names() -> Vec<&'static str> {
-        REGISTRY.iter().map(|(n, _)| *n).collect()
+registry! {
+    pub enum LossAgg: "loss aggregation" => TokenWeight {
+        TokenMean = "token_mean" => token_mean, "Σ L / Σ tokens (verl, SkyRL, TRL `dapo`)";
+        SeqMeanTokenMean = "seq_mean_token_mean" => seq_mean_token_mean,
+            "(1/B) Σ_i mean_t L (original GRPO, TRL `grpo`)";
+        SeqMeanTokenSum = "seq_mean_token_sum" => seq_mean_token_sum, "(1/B) Σ_i Σ_t L";
+        SeqMeanTokenSumNorm = "seq_mean_token_sum_norm" => seq_mean_token_sum_norm,
+            "(1/(B·L_max)) Σ_i Σ_t L with a constant L_max = loss_scale_factor (Dr. GRPO)";
     }
 }
 
@@ -45,18 +28,28 @@ pub struct BatchTotals {
 
 /// One weight per token of the sequences whose lengths are `seq_lens` (concatenated in order).
 pub fn token_weights(agg: LossAgg, seq_lens: &[usize], totals: &BatchTotals) -> Vec<f32> {
-    let b = totals.sequences as f64;
+    let weight = agg.implementation();
     let mut w = Vec::with_capacity(seq_lens.iter().sum());
     for &n in seq_lens {
-        let each = match agg {
-            LossAgg::TokenMean => 1.0 / totals.tokens as f64,
-            LossAgg::SeqMeanTokenMean => 1.0 / (n as f64 * b),
-            LossAgg::SeqMeanTokenSum => 1.0 / b,
-            LossAgg::SeqMeanTokenSumNorm => 1.0 / (b * totals.loss_scale_factor),
-        };
-        w.extend(std::iter::repeat_n(each as f32, n));
+        w.extend(std::iter::repeat_n(weight(n, totals) as f32, n));
     }
     w
+}
+
+fn token_mean(_: usize, totals: &BatchTotals) -> f64 {
+    1.0 / totals.tokens as f64
+}
+
+fn seq_mean_token_mean(n: usize, totals: &BatchTotals) -> f64 {
+    1.0 / (n as f64 * totals.sequences as f64)
+}
+
+fn seq_mean_token_sum(_: usize, totals: &BatchTotals) -> f64 {
+    1.0 / totals.sequences as f64
+}
+
+fn seq_mean_token_sum_norm(_: usize, totals: &BatchTotals) -> f64 {
+    1.0 / (totals.sequences as f64 * totals.loss_scale_factor)
 }
 
 #[cfg(test)]

@@ -1,52 +1,40 @@
 //! KL estimators between the current policy and the reference, per token, from log-probs:
 //! δ = logp − logp_ref. Gradients flow through `logp` only.
 
-use crate::{lookup, UnknownName};
 use candle_core::{Result, Tensor};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KlEstimator {
-    /// δ
-    K1,
-    /// δ²/2
-    K2,
-    /// exp(−δ) + δ − 1 with δ clamped to ±20 and the result to [−10, 10] (verl's `low_var_kl`).
-    K3,
-    /// |δ|
-    Abs,
-}
-
-const REGISTRY: [(&str, KlEstimator); 5] = [
-    ("k1", KlEstimator::K1),
-    ("k2", KlEstimator::K2),
-    ("k3", KlEstimator::K3),
-    ("low_var_kl", KlEstimator::K3),
-    ("abs", KlEstimator::Abs),
-];
-
-impl KlEstimator {
-    pub fn from_name(name: &str) -> std::result::Result<Self, UnknownName> {
-        lookup("KL estimator", name, &REGISTRY)
-    }
-
-    pub fn names() -> Vec<&'static str> {
-        REGISTRY.iter().map(|(n, _)| *n).collect()
+registry! {
+    pub enum KlEstimator: "KL estimator" => fn(&Tensor) -> Result<Tensor> {
+        K1 = "k1" => k1, "δ";
+        K2 = "k2" => k2, "δ²/2";
+        K3 = "k3" | "low_var_kl" => k3,
+            "exp(−δ) + δ − 1, δ clamped to ±20 and the result to [−10, 10] (verl's low_var_kl)";
+        Abs = "abs" => abs, "|δ|";
     }
 }
 
 /// The estimator per token, `[N]`.
 pub fn kl_per_token(est: KlEstimator, logp: &Tensor, ref_logp: &Tensor) -> Result<Tensor> {
     let delta = (logp - ref_logp)?;
-    match est {
-        KlEstimator::K1 => Ok(delta),
-        KlEstimator::K2 => delta.sqr()? * 0.5,
-        KlEstimator::K3 => {
-            // With d = logp_ref − logp: exp(d) − d − 1.
-            let d = delta.neg()?.clamp(-20f32, 20f32)?;
-            ((d.exp()? - d)? - 1.0)?.clamp(-10f32, 10f32)
-        }
-        KlEstimator::Abs => delta.abs(),
-    }
+    (est.implementation())(&delta)
+}
+
+fn k1(delta: &Tensor) -> Result<Tensor> {
+    Ok(delta.clone())
+}
+
+fn k2(delta: &Tensor) -> Result<Tensor> {
+    delta.sqr()? * 0.5
+}
+
+fn k3(delta: &Tensor) -> Result<Tensor> {
+    // With d = logp_ref − logp: exp(d) − d − 1.
+    let d = delta.neg()?.clamp(-20f32, 20f32)?;
+    ((d.exp()? - d)? - 1.0)?.clamp(-10f32, 10f32)
+}
+
+fn abs(delta: &Tensor) -> Result<Tensor> {
+    delta.abs()
 }
 
 #[cfg(test)]
@@ -79,5 +67,9 @@ mod tests {
         // Zero at equal policies, and the clamp at 10.
         assert_eq!(run(KlEstimator::K3, -1.0, -1.0).0, 0.0);
         assert_eq!(run(KlEstimator::K3, -30.0, -1.0).0, 10.0);
+        assert_eq!(
+            KlEstimator::from_name("low_var_kl").unwrap(),
+            KlEstimator::K3
+        );
     }
 }

@@ -1,9 +1,16 @@
 //! oxrl-algo: the math of RL post-training as pure functions, each named as in
-//! `docs/rl-algorithms.md` and looked up by that name from the config (SkyRL-style registries:
-//! adding one is a function plus a match arm).
+//! `docs/rl-algorithms.md` and looked up by that name from the config.
+//!
+//! Each family (advantage estimators, policy losses, KL estimators, aggregations) is a
+//! SkyRL-style registry declared with [`registry!`]: adding one is one function plus one line in
+//! its family's `registry!` block. The names the config accepts, `oxrl config --explain` and the
+//! errors for unknown names all read the registry, so there is no second list.
 //!
 //! Per-token quantities travel as flat `[N]` tensors over every response token of a batch, with
 //! the sequence lengths alongside; gradients flow through the current policy's log-probs only.
+
+#[macro_use]
+mod registry;
 
 pub mod advantage;
 pub mod aggregation;
@@ -14,29 +21,4 @@ pub use advantage::{compute_advantages, AdvantageConfig, AdvantageEstimator};
 pub use aggregation::{token_weights, BatchTotals, LossAgg};
 pub use kl::{kl_per_token, KlEstimator};
 pub use policy_loss::{policy_loss, PolicyLoss, PolicyLossConfig, PolicyLossOutput};
-
-/// A name from a config that matches no registered entry.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("unknown {what} `{name}`; expected one of: {}", .valid.join(", "))]
-pub struct UnknownName {
-    pub what: &'static str,
-    pub name: String,
-    pub valid: Vec<&'static str>,
-}
-
-/// Looks `name` up in a registry of `(name, value)` pairs.
-pub(crate) fn lookup<T: Copy>(
-    what: &'static str,
-    name: &str,
-    registry: &[(&'static str, T)],
-) -> Result<T, UnknownName> {
-    registry
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, v)| *v)
-        .ok_or_else(|| UnknownName {
-            what,
-            name: name.to_string(),
-            valid: registry.iter().map(|(n, _)| *n).collect(),
-        })
-}
+pub use registry::{Registered, UnknownName};

@@ -2,7 +2,6 @@
 //! Inputs are flat `[N]` tensors over the response tokens of consecutive sequences
 //! (`seq_lens` gives their lengths); only `logp` carries a gradient.
 
-use crate::{lookup, UnknownName};
 use candle_core::{Result, Tensor};
 
 /// Log-ratios are clamped to ±20 before `exp`, as verl and SkyRL do.
@@ -10,29 +9,23 @@ const LOG_RATIO_CLAMP: f32 = 20.0;
 /// GSPO's sequence log-ratio is clamped above at 10 (verl).
 const GSPO_LOG_RATIO_MAX: f32 = 10.0;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PolicyLoss {
-    /// L = max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)); for A < 0 optionally min(L, −c·A).
-    PpoClip,
-    /// The PPO clip on a sequence-level ratio s_i = exp(mean_t(logp − logp_old)).
-    Gspo,
-    /// L = −sg[clip(ρ, 1−ε_low, 1+ε_high)] · A · logp.
-    Cispo,
+/// The tensors a loss reads; only `logp` carries a gradient.
+struct Inputs<'a> {
+    logp: &'a Tensor,
+    old_logp: &'a Tensor,
+    adv: &'a Tensor,
+    seq_lens: &'a [usize],
 }
 
-const REGISTRY: [(&str, PolicyLoss); 3] = [
-    ("ppo_clip", PolicyLoss::PpoClip),
-    ("gspo", PolicyLoss::Gspo),
-    ("cispo", PolicyLoss::Cispo),
-];
+type LossFn = fn(&PolicyLossConfig, &Inputs) -> Result<PolicyLossOutput>;
 
-impl PolicyLoss {
-    pub fn from_name(name: &str) -> std::result::Result<Self, UnknownName> {
-        lookup("policy loss", name, &REGISTRY)
-    }
-
-    pub fn names() -> Vec<&'static str> {
-        REGISTRY.iter().map(|(n, _)| *n).collect()
+registry! {
+    pub enum PolicyLoss: "policy loss" => LossFn {
+        PpoClip = "ppo_clip" => ppo_clip,
+            "L = max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)); for A < 0 optionally min(L, −c·A) (dual_clip_c)";
+        Gspo = "gspo" => gspo,
+            "the PPO clip on a sequence-level ratio s_i = exp(mean_t(logp − logp_old)) (GSPO)";
+        Cispo = "cispo" => cispo, "L = −sg[clip(ρ, 1−ε_low, 1+ε_high)] · A · logp (CISPO)";
     }
 }
 
@@ -95,71 +88,86 @@ pub fn policy_loss(
     adv: &Tensor,
     seq_lens: &[usize],
 ) -> Result<PolicyLossOutput> {
-    let log_ratio = (logp - old_logp)?.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?;
-    let ratio = log_ratio.exp()?;
-    match cfg.kind {
-        PolicyLoss::PpoClip => {
-            let (mut per_token, clipped) = clipped_surrogate(cfg, &ratio, adv)?;
-            let mut dual_clipped = 0;
-            if let Some(c) = cfg.dual_clip_c {
-                let cap = (adv.neg()? * c)?;
-                let negative = adv.lt(0f32)?.to_dtype(per_token.dtype())?;
-                let (l, capv, a) = (
-                    per_token.to_vec1::<f32>()?,
-                    cap.to_vec1::<f32>()?,
-                    adv.to_vec1::<f32>()?,
-                );
-                dual_clipped = (0..l.len())
-                    .filter(|&i| a[i] < 0.0 && l[i] > capv[i])
-                    .count();
-                let capped = per_token.minimum(&cap)?;
-                per_token = ((&negative * capped)? + ((1.0 - &negative)? * per_token)?)?;
-            }
-            Ok(PolicyLossOutput {
-                per_token,
-                ratio: ratio.to_vec1()?,
-                clipped,
-                dual_clipped,
-            })
-        }
-        PolicyLoss::Gspo => {
-            // s_{i,t} = sg[s_i] · exp(logp − sg[logp]): the value of the sequence ratio, the
-            // gradient of the token's own log-prob.
-            let diff = (logp - old_logp)?.to_vec1::<f32>()?;
-            let mut seq_mean = Vec::with_capacity(diff.len());
-            let mut at = 0;
-            for &n in seq_lens {
-                let m = diff[at..at + n].iter().map(|&x| x as f64).sum::<f64>() / n as f64;
-                seq_mean.extend(std::iter::repeat_n(m as f32, n));
-                at += n;
-            }
-            let seq_mean = Tensor::from_vec(seq_mean, diff.len(), logp.device())?;
-            let log_seq_ratio =
-                ((logp - logp.detach())? + seq_mean)?.minimum(GSPO_LOG_RATIO_MAX)?;
-            let seq_ratio = log_seq_ratio.exp()?;
-            let (per_token, clipped) = clipped_surrogate(cfg, &seq_ratio, adv)?;
-            Ok(PolicyLossOutput {
-                per_token,
-                ratio: seq_ratio.to_vec1()?,
-                clipped,
-                dual_clipped: 0,
-            })
-        }
-        PolicyLoss::Cispo => {
-            let lo = (1.0 - cfg.clip_low) as f32;
-            let hi = (1.0 + cfg.clip_high) as f32;
-            let weight = ratio.clamp(lo, hi)?.detach();
-            let per_token = ((weight * adv)? * logp)?.neg()?;
-            let r = ratio.to_vec1::<f32>()?;
-            let clipped = r.iter().filter(|&&x| x < lo || x > hi).count();
-            Ok(PolicyLossOutput {
-                per_token,
-                ratio: r,
-                clipped,
-                dual_clipped: 0,
-            })
-        }
+    let inputs = Inputs {
+        logp,
+        old_logp,
+        adv,
+        seq_lens,
+    };
+    (cfg.kind.implementation())(cfg, &inputs)
+}
+
+/// ρ = exp(logp − logp_old) per token, the log-ratio clamped first.
+fn token_ratio(x: &Inputs) -> Result<Tensor> {
+    (x.logp - x.old_logp)?
+        .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?
+        .exp()
+}
+
+fn ppo_clip(cfg: &PolicyLossConfig, x: &Inputs) -> Result<PolicyLossOutput> {
+    let ratio = token_ratio(x)?;
+    let (mut per_token, clipped) = clipped_surrogate(cfg, &ratio, x.adv)?;
+    let mut dual_clipped = 0;
+    if let Some(c) = cfg.dual_clip_c {
+        let cap = (x.adv.neg()? * c)?;
+        let negative = x.adv.lt(0f32)?.to_dtype(per_token.dtype())?;
+        let (l, capv, a) = (
+            per_token.to_vec1::<f32>()?,
+            cap.to_vec1::<f32>()?,
+            x.adv.to_vec1::<f32>()?,
+        );
+        dual_clipped = (0..l.len())
+            .filter(|&i| a[i] < 0.0 && l[i] > capv[i])
+            .count();
+        let capped = per_token.minimum(&cap)?;
+        per_token = ((&negative * capped)? + ((1.0 - &negative)? * per_token)?)?;
     }
+    Ok(PolicyLossOutput {
+        per_token,
+        ratio: ratio.to_vec1()?,
+        clipped,
+        dual_clipped,
+    })
+}
+
+fn gspo(cfg: &PolicyLossConfig, x: &Inputs) -> Result<PolicyLossOutput> {
+    // s_{i,t} = sg[s_i] · exp(logp − sg[logp]): the value of the sequence ratio, the
+    // gradient of the token's own log-prob.
+    let logp = x.logp;
+    let diff = (logp - x.old_logp)?.to_vec1::<f32>()?;
+    let mut seq_mean = Vec::with_capacity(diff.len());
+    let mut at = 0;
+    for &n in x.seq_lens {
+        let m = diff[at..at + n].iter().map(|&x| x as f64).sum::<f64>() / n as f64;
+        seq_mean.extend(std::iter::repeat_n(m as f32, n));
+        at += n;
+    }
+    let seq_mean = Tensor::from_vec(seq_mean, diff.len(), logp.device())?;
+    let log_seq_ratio = ((logp - logp.detach())? + seq_mean)?.minimum(GSPO_LOG_RATIO_MAX)?;
+    let seq_ratio = log_seq_ratio.exp()?;
+    let (per_token, clipped) = clipped_surrogate(cfg, &seq_ratio, x.adv)?;
+    Ok(PolicyLossOutput {
+        per_token,
+        ratio: seq_ratio.to_vec1()?,
+        clipped,
+        dual_clipped: 0,
+    })
+}
+
+fn cispo(cfg: &PolicyLossConfig, x: &Inputs) -> Result<PolicyLossOutput> {
+    let ratio = token_ratio(x)?;
+    let lo = (1.0 - cfg.clip_low) as f32;
+    let hi = (1.0 + cfg.clip_high) as f32;
+    let weight = ratio.clamp(lo, hi)?.detach();
+    let per_token = ((weight * x.adv)? * x.logp)?.neg()?;
+    let r = ratio.to_vec1::<f32>()?;
+    let clipped = r.iter().filter(|&&x| x < lo || x > hi).count();
+    Ok(PolicyLossOutput {
+        per_token,
+        ratio: r,
+        clipped,
+        dual_clipped: 0,
+    })
 }
 
 #[cfg(test)]

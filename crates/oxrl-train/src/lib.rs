@@ -3,6 +3,8 @@
 //! AdamW, schedules), the trajectory format, and the optimizer state.
 
 pub mod config;
+mod config_file;
+pub mod config_keys;
 pub mod data;
 pub mod error;
 pub mod grpo;

@@ -274,8 +274,6 @@ pub enum LrSchedule {
 }
 
 impl LrSchedule {
-    pub const NAMES: [&'static str; 3] = ["constant", "linear", "cosine"];
-
     /// The learning rate of 0-based optimizer step `step` out of `total`, as transformers'
     /// `get_*_schedule_with_warmup` (a warmup step `s` runs at `lr · s / warmup`).
     pub fn lr(self, base: f64, step: u64, warmup: u64, total: u64) -> f64 {

@@ -44,9 +44,12 @@ pub struct SftArgs {
 
 #[derive(clap::Args)]
 pub struct ConfigArgs {
-    /// Print every configuration key with its default and meaning.
+    /// Print every configuration key with its type, default and meaning.
     #[arg(long)]
     explain: bool,
+    /// With --explain: print the key list as the README's Markdown tables.
+    #[arg(long, requires = "explain")]
+    markdown: bool,
     /// Validate a configuration file and print what it resolves to.
     #[arg(long)]
     check: Option<PathBuf>,
@@ -114,6 +117,9 @@ pub fn config(args: ConfigArgs) -> Result<()> {
     if !args.explain {
         bail!("give --explain (every key) or --check FILE");
     }
-    print!("{}", config::explain());
+    match args.markdown {
+        true => print!("{}", config::markdown()),
+        false => print!("{}", config::explain()),
+    }
     Ok(())
 }
