@@ -432,6 +432,22 @@ mod tests {
     }
 
     #[test]
+    fn device_and_staleness_resolve_and_bad_devices_name_the_line() {
+        let c = parse("[model]\npath = \"m\"\n").unwrap();
+        assert_eq!((c.device, c.max_staleness), (DeviceSpec::Cpu, 0));
+        let c = parse("[model]\npath = \"m\"\ndevice = \"cuda:1\"\n[trainer]\nmax_staleness = 2\n")
+            .unwrap();
+        assert_eq!((c.device, c.max_staleness), (DeviceSpec::Cuda(1), 2));
+        let e = parse("[model]\npath = \"m\"\ndevice = \"gpu\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("dir/run.toml:3:") && e.contains("model.device") && e.contains("cuda:N"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn relative_paths_are_relative_to_the_config_file() {
         let c = RunConfig::from_str(
             "policy_model = \"m\"\n[data]\ntrain_files = [\"d/a.jsonl\", \"../b.jsonl\"]\n[trainer]\noutput_dir = \"../../runs/x\"\n",
