@@ -15,8 +15,8 @@
 //! The runner is generic over a command: `{file}` in it is the path of the program file, so
 //! another language is `language`, `command` and `file_name` in the config.
 
-use crate::sandbox::{Limits, Sandbox, SandboxError};
 use crate::{RewardFn, RewardInput, Schedule};
+use oxrl_sandbox::{Limits, Sandbox, SandboxError};
 use serde_json::Value;
 
 /// How the tests' results become a score.
@@ -238,7 +238,7 @@ impl CodeReward {
     /// isolation the kernel allows, so a broken setup stops the run before any model loads.
     pub fn new(spec: CodeSpec) -> Result<Self, SandboxError> {
         let program = spec.command.first().ok_or(SandboxError::EmptyCommand)?;
-        crate::sandbox::resolve_program(program)?;
+        oxrl_sandbox::resolve_program(program)?;
         let sandbox = Sandbox::new(spec.limits.clone())?;
         Ok(Self { spec, sandbox })
     }
