@@ -14,7 +14,7 @@ pub mod set;
 /// [`CodeSpec`]'s `limits` are the sandbox's [`sandbox::Limits`].
 pub use oxrl_sandbox as sandbox;
 
-pub use code::{CodeReward, CodeSpec, Scoring};
+pub use code::{CodeError, CodeReward, CodeSpec, Scoring};
 pub use http::{HttpReward, HttpSpec};
 pub use model::{Normalize, RewardModel, RewardModelSpec};
 pub use rules::{build_rule, RuleSpec};
