@@ -29,6 +29,11 @@
 //! `child` holds the steps between fork and exec, `isolation` the modes and their detection,
 //! `run` the parent's side of one run.
 
+// The sandbox is made of syscalls std does not wrap (namespaces, mounts, credentials, rlimits,
+// pidfds, async-signal-safe code between fork and exec), so this is the one crate of the
+// workspace that allows `unsafe`; every block says why it is sound.
+#![allow(unsafe_code)]
+
 mod child;
 mod error;
 mod isolation;
