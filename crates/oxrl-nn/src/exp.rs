@@ -50,6 +50,9 @@ fn exp_shifted_into_avx2(dst: &mut [f32], src: &[f32], max: f32, scale: f32) {
     exp_shifted_into(dst, src, max, scale)
 }
 
+/// `dst[i] = exp((src[i] - max) * scale)`, with AVX2/FMA when the CPU has them.
+// Calling a `#[target_feature]` function is `unsafe`; it is called only after runtime detection.
+#[allow(unsafe_code)]
 pub fn exp_shifted(dst: &mut [f32], src: &[f32], max: f32, scale: f32) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -137,6 +140,8 @@ fn sums_shifted_avx2(src: &[f32], max: f32, scale: f32, with_dot: bool) -> (f64,
 
 /// `(Σ e, Σ e·x)` with `e = exp((x − max)·scale)`: the softmax normaliser and the numerator of
 /// the expected logit, in one pass (the second only when `with_dot`, else 0).
+// Calling a `#[target_feature]` function is `unsafe`; it is called only after runtime detection.
+#[allow(unsafe_code)]
 pub fn sums_shifted(src: &[f32], max: f32, scale: f32, with_dot: bool) -> (f64, f64) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {

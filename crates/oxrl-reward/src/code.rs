@@ -15,8 +15,8 @@
 //! The runner is generic over a command: `{file}` in it is the path of the program file, so
 //! another language is `language`, `command` and `file_name` in the config.
 
-use crate::sandbox::{Limits, Sandbox, SandboxError};
 use crate::{RewardFn, RewardInput, Schedule};
+use oxrl_sandbox::{Limits, Sandbox, SandboxError};
 use serde_json::Value;
 
 /// How the tests' results become a score.
@@ -77,6 +77,19 @@ impl CodeSpec {
             workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
         }
     }
+}
+
+/// Why a code reward could not score a response: the row's or the sandbox's fault, never the
+/// response's (a response that fails its tests scores 0 with a reason instead).
+#[derive(Debug, thiserror::Error)]
+pub enum CodeError {
+    #[error("the row has no `{0}` column")]
+    NoTestsColumn(String),
+    /// The row's tests are in none of the layouts of the module docs.
+    #[error("{0}")]
+    MalformedTests(String),
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
 }
 
 /// One test of a row.
@@ -238,7 +251,7 @@ impl CodeReward {
     /// isolation the kernel allows, so a broken setup stops the run before any model loads.
     pub fn new(spec: CodeSpec) -> Result<Self, SandboxError> {
         let program = spec.command.first().ok_or(SandboxError::EmptyCommand)?;
-        crate::sandbox::resolve_program(program)?;
+        oxrl_sandbox::resolve_program(program)?;
         let sandbox = Sandbox::new(spec.limits.clone())?;
         Ok(Self { spec, sandbox })
     }
@@ -248,7 +261,7 @@ impl CodeReward {
     }
 
     /// Runs one test in a fresh sandbox.
-    fn run_test(&self, code: &str, test: &TestCase) -> Result<TestResult, String> {
+    fn run_test(&self, code: &str, test: &TestCase) -> Result<TestResult, SandboxError> {
         let file = format!("{{dir}}/{}", self.spec.file_name);
         let command: Vec<String> = self
             .spec
@@ -261,10 +274,7 @@ impl CodeReward {
             TestCase::Io { input, .. } => (format!("{code}\n"), input.as_str()),
         };
         let files = [(self.spec.file_name.as_str(), program.as_bytes())];
-        let outcome = self
-            .sandbox
-            .run(&command, &files, stdin.as_bytes())
-            .map_err(|e| e.to_string())?;
+        let outcome = self.sandbox.run(&command, &files, stdin.as_bytes())?;
         if let Some(reason) = outcome.failure_reason(self.sandbox.limits()) {
             return Ok(TestResult {
                 passed: false,
@@ -299,12 +309,12 @@ impl CodeReward {
     /// The score of one response with every test's result. `Err` only when the row's tests
     /// are missing or malformed or the sandbox itself fails (the reward's fault, not the
     /// response's).
-    pub fn evaluate(&self, input: &RewardInput) -> Result<Verdict, String> {
+    pub fn evaluate(&self, input: &RewardInput) -> Result<Verdict, CodeError> {
         let cell = input
             .row
             .get(&self.spec.tests_key)
-            .ok_or_else(|| format!("the row has no `{}` column", self.spec.tests_key))?;
-        let tests = parse_tests(cell)?;
+            .ok_or_else(|| CodeError::NoTestsColumn(self.spec.tests_key.clone()))?;
+        let tests = parse_tests(cell).map_err(CodeError::MalformedTests)?;
         let Some(code) = extract_code(&input.response, &self.spec.language) else {
             return Ok(Verdict {
                 score: 0.0,
@@ -336,7 +346,9 @@ impl CodeReward {
 
 impl RewardFn for CodeReward {
     fn score(&self, input: &RewardInput) -> Result<f64, String> {
-        self.evaluate(input).map(|v| v.score)
+        self.evaluate(input)
+            .map(|v| v.score)
+            .map_err(|e| e.to_string())
     }
 
     fn schedule(&self) -> Schedule {

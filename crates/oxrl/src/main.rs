@@ -14,6 +14,8 @@ use clap::{Parser, Subcommand};
 /// vocabulary-sized buffers (hundreds of MB) per micro-batch; glibc serves those with fresh
 /// `mmap`s and unmaps them on free, so every one is page-faulted back in (a fifth of a W1 GRPO
 /// step). From the heap, with trimming off, they are reused in place.
+// `mallopt` is a C call (no safe wrapper exists); the block below says why it is sound.
+#[allow(unsafe_code)]
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator tuning; called before any other thread exists.

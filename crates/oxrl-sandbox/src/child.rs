@@ -23,27 +23,7 @@ use std::ffi::CString;
 use std::io;
 use std::os::fd::RawFd;
 
-/// Which isolation the kernel allowed (see [`super::isolation`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// New user, mount, network, PID and IPC namespaces; read-only root, tmpfs scratch, own /proc.
-    Full,
-    /// The namespaces without the read-only root, scratch tmpfs and own /proc (mounts refused).
-    NamespacesOnly,
-    /// Root without user namespaces: the other namespaces and mounts made as root, then `nobody`.
-    RootNamespaces,
-    /// No namespaces: a supervisor, a new session, rlimits and (for root) `nobody`.
-    Minimal,
-}
-
-impl Mode {
-    pub fn namespaces(self) -> bool {
-        self != Mode::Minimal
-    }
-    pub fn mounts(self) -> bool {
-        matches!(self, Mode::Full | Mode::RootNamespaces)
-    }
-}
+use crate::isolation::Mode;
 
 const MOUNT_ATTR_RDONLY: u64 = 0x1;
 const MOUNT_ATTR_NOSUID: u64 = 0x2;

@@ -1,0 +1,329 @@
+//! One sandboxed run: the command is spawned with a `pre_exec` hook ([`ChildSetup`]) that
+//! isolates it, then watched from the parent until it exits, times out or writes too much.
+
+use crate::child::{ChildSetup, STATUS_BYTES};
+use crate::isolation::{detect_mode, Identity, Mode};
+use crate::watch::{read_capped, status_pipe, wait_exit, Waited};
+use crate::workdir::WorkDir;
+use crate::{resolve_program, Exit, Limits, RunOutcome, SandboxError, SANDBOX_PATH};
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Runs untrusted commands under [`Limits`] with the strongest isolation the kernel allows.
+pub struct Sandbox {
+    limits: Limits,
+    mode: Mode,
+    identity: Identity,
+}
+
+impl Sandbox {
+    /// Detects the isolation once per process (a few short probe runs).
+    pub fn new(limits: Limits) -> Result<Self, SandboxError> {
+        Ok(Self {
+            limits,
+            mode: detect_mode()?,
+            identity: Identity::current(),
+        })
+    }
+
+    /// A sandbox with a given mode, for the probe runs that find the mode.
+    pub(crate) fn with_mode(limits: Limits, mode: Mode, identity: Identity) -> Self {
+        Self {
+            limits,
+            mode,
+            identity,
+        }
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    fn child_setup(&self, dir: &WorkDir, status_fd: i32) -> Result<ChildSetup, SandboxError> {
+        let l = &self.limits;
+        let id = &self.identity;
+        let cstr = |what, s: String| {
+            CString::new(s).map_err(|source| SandboxError::NulByte { what, source })
+        };
+        let mb = |m: u64| m.saturating_mul(1 << 20) as libc::rlim_t;
+        let mut rlimits = vec![
+            (
+                libc::RLIMIT_CPU,
+                l.cpu_s as libc::rlim_t,
+                l.cpu_s as libc::rlim_t,
+            ),
+            (libc::RLIMIT_AS, mb(l.memory_mb), mb(l.memory_mb)),
+            (libc::RLIMIT_FSIZE, mb(l.file_size_mb), mb(l.file_size_mb)),
+            (
+                libc::RLIMIT_NOFILE,
+                l.max_open_files as libc::rlim_t,
+                l.max_open_files as libc::rlim_t,
+            ),
+            (libc::RLIMIT_CORE, 0, 0),
+        ];
+        // Without a user namespace of its own, a non-root run shares its user's process count
+        // with everything else that user runs: a limit would break the run, not bound it.
+        if self.mode != Mode::Minimal || id.drop_from_root {
+            let n = l.max_processes as libc::rlim_t;
+            rlimits.push((libc::RLIMIT_NPROC, n, n));
+        }
+        Ok(ChildSetup {
+            mode: self.mode,
+            drop_to: id.drop_from_root.then_some((id.uid, id.gid)),
+            uid_map: cstr("the uid map", format!("{0} {0} 1\n", id.uid))?,
+            gid_map: cstr("the gid map", format!("{0} {0} 1\n", id.gid))?,
+            scratch: cstr("the scratch path", dir.scratch.display().to_string())?,
+            tmpfs_options: cstr(
+                "the tmpfs options",
+                format!(
+                    "size={}m,mode=0700,uid={},gid={}",
+                    l.scratch_mb, id.uid, id.gid
+                ),
+            )?,
+            rlimits,
+            status_fd,
+        })
+    }
+
+    /// Runs `command` (`{dir}` in an argument is replaced by the run directory, where `files`
+    /// are written) with `stdin` as its input. Errors are the sandbox's own (a file that
+    /// cannot be written, a program that cannot start); whatever the program does is an
+    /// [`Exit`].
+    pub fn run(
+        &self,
+        command: &[String],
+        files: &[(&str, &[u8])],
+        stdin: &[u8],
+    ) -> Result<RunOutcome, SandboxError> {
+        let (program, args) = command.split_first().ok_or(SandboxError::EmptyCommand)?;
+        let dir = WorkDir::create(&self.identity)?;
+        for (name, bytes) in files {
+            dir.write(name, bytes)?;
+        }
+        let dir_str = dir.path.display().to_string();
+        let subst = |a: &String| a.replace("{dir}", &dir_str);
+        let program = resolve_program(&subst(program))?;
+        let (status_read, status_write) = status_pipe()?;
+        let setup = self.child_setup(&dir, status_write.as_raw_fd())?;
+        let scratch = dir.scratch.display().to_string();
+        let mut cmd = Command::new(&program);
+        cmd.args(args.iter().map(subst))
+            .env_clear()
+            .env("PATH", SANDBOX_PATH)
+            .env("HOME", &scratch)
+            .env("TMPDIR", &scratch)
+            .env("LANG", "C.UTF-8")
+            .current_dir(&dir.scratch)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // SAFETY: `ChildSetup::run` only makes async-signal-safe calls on prepared data.
+        unsafe {
+            cmd.pre_exec(move || setup.run());
+        }
+        let start = Instant::now();
+        let spawned = cmd.spawn();
+        drop(status_write);
+        let mut child = spawned.map_err(|source| SandboxError::Spawn {
+            program: program.display().to_string(),
+            source,
+        })?;
+        let supervisor = child.id() as libc::pid_t;
+        let mut status_read = std::fs::File::from(status_read);
+        // The supervisor sends PID 1's (outer) pid as soon as it has forked it.
+        let mut pid_bytes = [0u8; 4];
+        let target = status_read
+            .read_exact(&mut pid_bytes)
+            .ok()
+            .map(|_| libc::pid_t::from_ne_bytes(pid_bytes));
+        let over = Arc::new(AtomicBool::new(false));
+        let cap = self.limits.output_bytes;
+        let stdout = read_capped(child.stdout.take(), cap, over.clone());
+        let stderr = read_capped(child.stderr.take(), cap, over.clone());
+        if let Some(mut input) = child.stdin.take() {
+            let bytes = stdin.to_vec();
+            std::thread::spawn(move || {
+                // A program that exits without reading its input closes the pipe: not an error.
+                let _ = input.write_all(&bytes);
+            });
+        }
+        let waited = wait_exit(supervisor, start + self.limits.timeout, &over);
+        let kill_program = |pid: libc::pid_t| {
+            // SAFETY: PID 1 of the run is alive (the supervisor has not reaped it: it reaps
+            // only when PID 1 exits, which is what we are waiting for), so the pid and its
+            // process group id still name it.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::killpg(pid, libc::SIGKILL);
+            }
+        };
+        match (&waited, target) {
+            // Kill PID 1 (its namespace goes with it) so the supervisor can reap it and report.
+            (Waited::TimedOut | Waited::OverCap, Some(pid)) => {
+                kill_program(pid);
+                let grace = Instant::now() + Duration::from_secs(1);
+                wait_exit(supervisor, grace, &AtomicBool::new(false));
+            }
+            // Without a PID namespace, what the program left running is in its process group.
+            (Waited::Exited, Some(pid)) if !self.mode.namespaces() => {
+                // SAFETY: the group outlives its leader only while members remain.
+                unsafe { libc::killpg(pid, libc::SIGKILL) };
+            }
+            _ => {}
+        }
+        // SAFETY: the supervisor is our unreaped child, so its pid (= its group id) is ours.
+        unsafe {
+            libc::killpg(supervisor, libc::SIGKILL);
+        }
+        let _ = child.wait();
+        let wall = start.elapsed();
+        let mut report = [0u8; STATUS_BYTES];
+        let report = status_read.read_exact(&mut report).ok().map(|_| {
+            let status = i32::from_ne_bytes([report[0], report[1], report[2], report[3]]);
+            let mut cpu = [0u8; 8];
+            cpu.copy_from_slice(&report[4..]);
+            (status, Duration::from_micros(u64::from_ne_bytes(cpu)))
+        });
+        // PID 1 of the run is gone, so its namespace is torn down and the pipes close; without
+        // a PID namespace a daemonised process could hold them, so the wait is bounded.
+        let grace = Duration::from_secs(2);
+        let stdout = stdout.recv_timeout(grace).unwrap_or_default();
+        let stderr = stderr.recv_timeout(grace).unwrap_or_default();
+        let cpu = report.map_or(Duration::ZERO, |r| r.1);
+        // The kernel kills at the limit; rusage rounds to scheduler ticks, hence the margin.
+        let cpu_limit = Duration::from_secs(self.limits.cpu_s).mul_f64(0.9);
+        let exit = match (waited, report) {
+            (Waited::OverCap, _) => Exit::OutputLimit,
+            (_, _) if over.load(Ordering::SeqCst) => Exit::OutputLimit,
+            (Waited::TimedOut, _) => Exit::Timeout,
+            (Waited::Exited, Some((s, _))) if libc::WIFEXITED(s) => {
+                Exit::Code(libc::WEXITSTATUS(s))
+            }
+            (Waited::Exited, Some((s, cpu))) if libc::WIFSIGNALED(s) => match libc::WTERMSIG(s) {
+                libc::SIGKILL | libc::SIGXCPU if cpu >= cpu_limit => Exit::CpuLimit,
+                sig => Exit::Signal(sig),
+            },
+            _ => Exit::Lost,
+        };
+        Ok(RunOutcome {
+            exit,
+            stdout,
+            stderr,
+            wall,
+            cpu,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn python(code: &str, stdin: &[u8]) -> RunOutcome {
+        let sb = Sandbox::new(Limits::default()).unwrap();
+        let cmd = ["python3", "-I", "-B", "{dir}/main.py"].map(String::from);
+        sb.run(&cmd, &[("main.py", code.as_bytes())], stdin)
+            .unwrap()
+    }
+
+    #[test]
+    fn stdin_in_stdout_out_and_a_minimal_environment() {
+        let o = python(
+            "import os, sys\nprint(sys.stdin.read().upper(), end='|')\nprint(sorted(os.environ))",
+            b"abc",
+        );
+        assert_eq!(o.exit, Exit::Code(0), "{o:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout),
+            "ABC|['HOME', 'LANG', 'PATH', 'TMPDIR']\n"
+        );
+    }
+
+    #[test]
+    fn only_the_scratch_directory_is_writable() {
+        let o = python(
+            "import os\nopen('out.txt', 'w').write('ok')\nprint(open('out.txt').read(), os.getcwd() == os.environ['HOME'])\nopen(os.path.dirname(__file__) + '/x', 'w')",
+            b"",
+        );
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "ok True\n");
+        let reason = o.failure_reason(&Limits::default()).unwrap();
+        let sb = Sandbox::new(Limits::default()).unwrap();
+        let want = match sb.mode() {
+            Mode::Full | Mode::RootNamespaces => "Read-only file system",
+            _ => "exit status 1",
+        };
+        assert!(reason.contains(want), "{reason}");
+    }
+
+    #[test]
+    fn exit_status_and_file_names() {
+        let sb = Sandbox::new(Limits::default()).unwrap();
+        let o = sb
+            .run(&["sh", "-c", "exit 3"].map(String::from), &[], b"")
+            .unwrap();
+        assert_eq!(o.exit, Exit::Code(3));
+        for bad in ["../x", "a/b", "", "scratch"] {
+            let e = sb
+                .run(&["true".to_string()], &[(bad, b"")], b"")
+                .unwrap_err();
+            assert!(matches!(e, SandboxError::FileName(_)), "{bad}: {e}");
+        }
+        let e = sb
+            .run(&["no-such-program-oxrl".to_string()], &[], b"")
+            .unwrap_err();
+        assert!(e.to_string().contains("no-such-program-oxrl"), "{e}");
+    }
+
+    /// The sandbox's cost per run: `true` sandboxed against `true` spawned plainly.
+    #[test]
+    fn per_run_overhead_is_a_few_milliseconds() {
+        let sb = Sandbox::new(Limits::default()).unwrap();
+        let n = 20;
+        let time = |f: &dyn Fn()| {
+            f();
+            let t = Instant::now();
+            for _ in 0..n {
+                f();
+            }
+            t.elapsed() / n
+        };
+        let plain = time(&|| {
+            let s = Command::new("true").status().unwrap();
+            assert!(s.success());
+        });
+        let sandboxed = time(&|| {
+            let o = sb.run(&["true".to_string()], &[], b"").unwrap();
+            assert_eq!(o.exit, Exit::Code(0));
+        });
+        let py = ["python3", "-I", "-B", "-c", "pass"].map(String::from);
+        let plain_py = time(&|| {
+            let s = Command::new("/usr/bin/python3")
+                .args(&py[1..])
+                .status()
+                .unwrap();
+            assert!(s.success());
+        });
+        let sandboxed_py = time(&|| {
+            let o = sb.run(&py, &[], b"").unwrap();
+            assert_eq!(o.exit, Exit::Code(0));
+        });
+        eprintln!(
+            "true: plain {plain:.2?}, sandboxed {sandboxed:.2?}; python3: plain {plain_py:.2?}, sandboxed {sandboxed_py:.2?} ({:?})",
+            sb.mode()
+        );
+        assert!(
+            sandboxed < plain + Duration::from_millis(50),
+            "sandboxed {sandboxed:?} vs plain {plain:?}"
+        );
+    }
+}
