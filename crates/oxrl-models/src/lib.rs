@@ -7,18 +7,19 @@ pub mod config;
 pub mod error;
 pub mod hub;
 pub mod image;
-pub mod kv_cache;
 pub mod mrope;
+mod ops;
 pub mod qwen3;
-pub mod reward_model;
 pub mod tokenizer;
 pub mod vision;
+mod weights;
 
 pub use config::Qwen3Config;
 pub use error::{ModelError, Result};
 pub use image::{ImageProcessorConfig, ImageSource, ProcessedImage};
-pub use kv_cache::{KvCache, VocabSlices};
 pub use mrope::VisionTokens;
-pub use qwen3::{BatchLogprobs, Entropy, ImagePrompting, Qwen3, ScoreRequest, Vision};
-pub use reward_model::Qwen3RewardModel;
+pub use qwen3::{
+    reward_model, BatchLogprobs, Entropy, ImagePrompting, KvCache, Qwen3, Qwen3RewardModel,
+    ScoreRequest, Vision, VocabSlices,
+};
 pub use tokenizer::{eos_token_ids, Tokenizer};

@@ -4,9 +4,9 @@
 //! config has no `pad_token_id`). Scoring runs the training path's forward on plain tensors, so
 //! no autograd graph is built.
 
+use super::Qwen3;
 use crate::checkpoint::{load_tensors, save_checkpoint, MAX_SHARD_BYTES};
 use crate::error::{ModelError, Result};
-use crate::qwen3::Qwen3;
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 use std::path::Path;
@@ -169,7 +169,7 @@ impl Qwen3RewardModel {
             dtype,
             device,
         )?;
-        let score = head.embed_tokens.contiguous()?;
+        let score = head.model.embed_tokens.contiguous()?;
         Self::new(model, score)
     }
 
