@@ -43,6 +43,23 @@ pub enum ModelError {
     Hub(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error("{path}: no `architectures` key, so the model class is unknown (known: {})", known.join(", "))]
+    MissingArchitecture {
+        path: PathBuf,
+        known: Vec<&'static str>,
+    },
+    #[error("{path}: `architectures` is {found}, which oxrl cannot load (known: {})", known.join(", "))]
+    UnknownArchitecture {
+        path: PathBuf,
+        found: String,
+        known: Vec<&'static str>,
+    },
+    #[error("{path}: {architecture} is not {wanted}")]
+    WrongModelKind {
+        path: PathBuf,
+        architecture: &'static str,
+        wanted: &'static str,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

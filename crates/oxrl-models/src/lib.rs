@@ -1,5 +1,8 @@
 //! oxrl-models: the policy models oxrl trains (Qwen3 first), read from and written to
 //! Hugging Face checkpoint directories, with their tokenizers and chat templates.
+//!
+//! The rest of the workspace talks to models through [`PolicyModel`] and
+//! [`SequenceClassifier`], loaded by [`registry`] from `config.json`'s `architectures`.
 
 pub mod chat_template;
 pub mod checkpoint;
@@ -7,9 +10,11 @@ pub mod config;
 pub mod error;
 pub mod hub;
 pub mod image;
+pub mod model_traits;
 pub mod mrope;
 mod ops;
 pub mod qwen3;
+pub mod registry;
 pub mod tokenizer;
 pub mod vision;
 mod weights;
@@ -17,9 +22,11 @@ mod weights;
 pub use config::Qwen3Config;
 pub use error::{ModelError, Result};
 pub use image::{ImageProcessorConfig, ImageSource, ProcessedImage};
+pub use model_traits::{PolicyModel, SequenceClassifier};
 pub use mrope::VisionTokens;
 pub use qwen3::{
     reward_model, BatchLogprobs, Entropy, ImagePrompting, KvCache, Qwen3, Qwen3RewardModel,
     ScoreRequest, Vision, VocabSlices,
 };
+pub use registry::{load_policy, load_sequence_classifier};
 pub use tokenizer::{eos_token_ids, Tokenizer};

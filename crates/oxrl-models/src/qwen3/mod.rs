@@ -24,6 +24,7 @@ mod image_prompting;
 pub mod kv_cache;
 mod mlp;
 mod model;
+mod model_traits;
 mod random;
 pub mod reward_model;
 mod rms_norm;
@@ -43,3 +44,17 @@ pub use reward_model::Qwen3RewardModel;
 pub use rms_norm::RmsNorm;
 pub use scoring::{BatchLogprobs, Entropy, LogprobsAndEntropy, ScoreRequest};
 pub use visual::Vision;
+
+/// `architectures` of a text-only Qwen3 checkpoint.
+pub const CAUSAL_LM: &str = "Qwen3ForCausalLM";
+/// `architectures` of a Qwen3-VL checkpoint.
+pub const VISION_LANGUAGE: &str = "Qwen3VLForConditionalGeneration";
+
+/// The architecture a Qwen3 policy is, by whether it has a vision tower.
+pub(crate) fn architecture(vl: bool) -> &'static str {
+    if vl {
+        VISION_LANGUAGE
+    } else {
+        CAUSAL_LM
+    }
+}

@@ -15,14 +15,24 @@ impl Qwen3 {
     /// A freshly initialised model as transformers makes one: every matrix (and the vision
     /// position table) from N(0, 0.02²) (`initializer_range`), every norm weight 1, every bias
     /// 0. For benchmarks, tests and new tiny policies; Qwen3-VL when the config has a
-    /// `vision_config`.
-    pub fn random(config_json: Value, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+    /// `vision_config`. A config without `architectures` gets the one it describes, so the
+    /// checkpoint it saves loads through [`crate::registry`].
+    pub fn random(
+        mut config_json: Value,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         use rand::{Rng, SeedableRng};
         let source = Path::new("<random init>");
         let ModelConfig {
             text: config,
             vision,
         } = ModelConfig::from_value(&config_json, source)?;
+        if let Some(keys) = config_json.as_object_mut() {
+            keys.entry("architectures")
+                .or_insert_with(|| serde_json::json!([super::architecture(vision.is_some())]));
+        }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let std = config_json
             .get("initializer_range")
