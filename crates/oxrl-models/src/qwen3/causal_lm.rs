@@ -246,7 +246,10 @@ impl Qwen3 {
         images: &[Arc<ProcessedImage>],
         what: &str,
     ) -> Result<()> {
-        let context = |e: ModelError| ModelError::InvalidInput(format!("{what}: {e}"));
+        let context = |e: ModelError| ModelError::Input {
+            what: what.to_string(),
+            source: Box::new(e),
+        };
         match &self.vision {
             None if images.is_empty() => Ok(()),
             None => Err(ModelError::InvalidInput(format!(

@@ -55,7 +55,10 @@ impl ImagePrompting {
                 let img = s.load()?;
                 crate::image::process(&img, &this.processor)
                     .map(Arc::new)
-                    .map_err(|e| ModelError::InvalidInput(format!("{}: {e}", s.describe())))
+                    .map_err(|e| ModelError::Input {
+                        what: s.describe(),
+                        source: Box::new(e),
+                    })
             })
             .collect()
     }
