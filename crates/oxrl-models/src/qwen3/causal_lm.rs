@@ -24,6 +24,8 @@ pub(crate) const LM_HEAD: &str = "lm_head.weight";
 /// prefix is folded onto the text model's.
 pub(crate) const BODY: &str = "model.";
 
+/// The causal LM: the body, the LM head, and for Qwen3-VL the vision half. One type for both
+/// so the trainer, the engine, checkpoints and `make_trainable` serve text and images alike.
 pub struct Qwen3 {
     /// The text decoder's configuration (`text_config` of a Qwen3-VL checkpoint).
     pub config: Qwen3Config,
