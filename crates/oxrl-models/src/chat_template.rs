@@ -76,7 +76,10 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_template_owned("chat", source.to_string())
-            .map_err(|e| ModelError::Template(format!("{origin}: {e:#}")))?;
+            .map_err(|source| ModelError::TemplateSyntax {
+                origin: origin.to_string(),
+                source,
+            })?;
         Ok(Self { env })
     }
 
@@ -100,10 +103,10 @@ impl ChatTemplate {
         let template = self
             .env
             .get_template("chat")
-            .map_err(|e| ModelError::Template(e.to_string()))?;
+            .map_err(ModelError::TemplateRender)?;
         template
             .render(Value::from_serialize(&ctx))
-            .map_err(|e| ModelError::Template(format!("{e:#}")))
+            .map_err(ModelError::TemplateRender)
     }
 }
 

@@ -35,14 +35,58 @@ pub enum ModelError {
     },
     #[error("{0}")]
     InvalidInput(String),
-    #[error("{0}")]
-    Tokenizer(String),
-    #[error("chat template: {0}")]
-    Template(String),
+    /// A problem with one named part of an input (a request, a prompt, an image).
+    #[error("{what}: {source}")]
+    Input {
+        what: String,
+        source: Box<ModelError>,
+    },
+    #[error("{path}: cannot load tokenizer: {source}")]
+    TokenizerLoad {
+        path: PathBuf,
+        source: tokenizers::Error,
+    },
+    #[error("cannot {action}: {source}")]
+    Tokenize {
+        action: &'static str,
+        source: tokenizers::Error,
+    },
+    #[error("chat template: the model has no chat template (no chat_template.jinja and no `chat_template` in tokenizer_config.json)")]
+    NoChatTemplate,
+    #[error("chat template: {origin}: {source:#}")]
+    TemplateSyntax {
+        origin: String,
+        source: minijinja::Error,
+    },
+    #[error("chat template: {0:#}")]
+    TemplateRender(#[source] minijinja::Error),
     #[error("{0}")]
     Hub(String),
+    #[error("model `{reference}` is not in the local hub cache (looked in {looked}) and downloading it failed: {source}")]
+    HubDownload {
+        reference: String,
+        looked: String,
+        source: crate::hub::DownloadError,
+    },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error("{path}: no `architectures` key, so the model class is unknown (known: {})", known.join(", "))]
+    MissingArchitecture {
+        path: PathBuf,
+        known: Vec<&'static str>,
+    },
+    #[error("{path}: `architectures` is {found}, which oxrl cannot load (known: {})", known.join(", "))]
+    UnknownArchitecture {
+        path: PathBuf,
+        found: String,
+        known: Vec<&'static str>,
+    },
+    #[error("{path}: {architecture} is not {wanted}")]
+    WrongModelKind {
+        path: PathBuf,
+        architecture: &'static str,
+        wanted: &'static str,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

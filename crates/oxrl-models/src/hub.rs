@@ -3,6 +3,7 @@
 //! online (`HF_HUB_OFFLINE=1` forbids the download).
 
 use crate::error::{ModelError, Result};
+use hf_hub::api::sync::ApiError;
 use std::path::{Path, PathBuf};
 
 /// Hub cache folders in the order transformers consults them: `HF_HUB_CACHE`, `HF_HOME/hub`,
@@ -54,20 +55,31 @@ fn cached_snapshot(cache: &Path, id: &str) -> Option<PathBuf> {
     found.pop()
 }
 
+/// Why fetching a checkpoint from the hub failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DownloadError {
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    #[error("neither model.safetensors nor an index: {0}")]
+    NoWeights(#[source] ApiError),
+    #[error("{shard}: {source}")]
+    Shard { shard: String, source: ApiError },
+    #[error(transparent)]
+    Index(Box<ModelError>),
+}
+
 /// Fetches the files a checkpoint directory needs; returns the snapshot folder they landed in.
-fn download(id: &str) -> std::result::Result<PathBuf, String> {
+fn download(id: &str) -> std::result::Result<PathBuf, DownloadError> {
     let api = hf_hub::api::sync::ApiBuilder::from_env()
         .with_progress(true)
-        .build()
-        .map_err(|e| e.to_string())?;
+        .build()?;
     let repo = api.model(id.to_string());
-    let config = repo.get("config.json").map_err(|e| e.to_string())?;
+    let config = repo.get("config.json")?;
     if repo.get("model.safetensors").is_err() {
         let index = repo
             .get("model.safetensors.index.json")
-            .map_err(|e| format!("neither model.safetensors nor an index: {e}"))?;
-        let text = std::fs::read_to_string(&index).map_err(|e| e.to_string())?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+            .map_err(DownloadError::NoWeights)?;
+        let v = crate::config::read_json(&index).map_err(|e| DownloadError::Index(Box::new(e)))?;
         let mut shards: Vec<&str> = v["weight_map"]
             .as_object()
             .map(|m| m.values().filter_map(|f| f.as_str()).collect())
@@ -75,7 +87,10 @@ fn download(id: &str) -> std::result::Result<PathBuf, String> {
         shards.sort_unstable();
         shards.dedup();
         for shard in shards {
-            repo.get(shard).map_err(|e| format!("{shard}: {e}"))?;
+            repo.get(shard).map_err(|source| DownloadError::Shard {
+                shard: shard.to_string(),
+                source,
+            })?;
         }
     }
     for optional in crate::checkpoint::SIDE_FILES {
@@ -110,10 +125,10 @@ pub fn resolve_model(reference: &str) -> Result<PathBuf> {
             "model `{reference}` is not in the local hub cache (looked in {looked}) and HF_HUB_OFFLINE is set"
         )));
     }
-    download(reference).map_err(|e| {
-        ModelError::Hub(format!(
-            "model `{reference}` is not in the local hub cache (looked in {looked}) and downloading it failed: {e}"
-        ))
+    download(reference).map_err(|source| ModelError::HubDownload {
+        reference: reference.to_string(),
+        looked,
+        source,
     })
 }
 

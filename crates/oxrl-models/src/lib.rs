@@ -1,5 +1,8 @@
 //! oxrl-models: the policy models oxrl trains (Qwen3 first), read from and written to
 //! Hugging Face checkpoint directories, with their tokenizers and chat templates.
+//!
+//! The rest of the workspace talks to models through [`PolicyModel`] and
+//! [`SequenceClassifier`], loaded by [`registry`] from `config.json`'s `architectures`.
 
 pub mod chat_template;
 pub mod checkpoint;
@@ -8,19 +11,24 @@ pub mod device;
 pub mod error;
 pub mod hub;
 pub mod image;
-pub mod kv_cache;
+pub mod model_traits;
 pub mod mrope;
+mod ops;
 pub mod qwen3;
-pub mod reward_model;
+pub mod registry;
 pub mod tokenizer;
 pub mod vision;
+mod weights;
 
 pub use config::Qwen3Config;
 pub use device::{DeviceError, DeviceSpec, HOST};
 pub use error::{ModelError, Result};
 pub use image::{ImageProcessorConfig, ImageSource, ProcessedImage};
-pub use kv_cache::{KvCache, VocabSlices};
+pub use model_traits::{PolicyModel, SequenceClassifier};
 pub use mrope::VisionTokens;
-pub use qwen3::{BatchLogprobs, Entropy, ImagePrompting, Qwen3, ScoreRequest, Vision};
-pub use reward_model::Qwen3RewardModel;
+pub use qwen3::{
+    reward_model, BatchLogprobs, Entropy, ImagePrompting, KvCache, Qwen3, Qwen3RewardModel,
+    ScoreRequest, Vision, VocabSlices,
+};
+pub use registry::{load_policy, load_sequence_classifier};
 pub use tokenizer::{eos_token_ids, Tokenizer};

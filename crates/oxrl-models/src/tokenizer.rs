@@ -32,8 +32,11 @@ impl Tokenizer {
     /// Loads the tokenizer of the model directory `dir`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| {
-            ModelError::Tokenizer(format!("{}: cannot load tokenizer: {e}", path.display()))
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|source| {
+            ModelError::TokenizerLoad {
+                path: path.clone(),
+                source,
+            }
         })?;
         let config_path = dir.join("tokenizer_config.json");
         let config = match config_path.exists() {
@@ -83,14 +86,20 @@ impl Tokenizer {
         let enc = self
             .inner
             .encode(text, false)
-            .map_err(|e| ModelError::Tokenizer(format!("cannot encode text: {e}")))?;
+            .map_err(|source| ModelError::Tokenize {
+                action: "encode text",
+                source,
+            })?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         self.inner
             .decode(ids, skip_special_tokens)
-            .map_err(|e| ModelError::Tokenizer(format!("cannot decode ids: {e}")))
+            .map_err(|source| ModelError::Tokenize {
+                action: "decode ids",
+                source,
+            })
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
@@ -113,12 +122,10 @@ impl Tokenizer {
         add_generation_prompt: bool,
         kwargs: &Map<String, Value>,
     ) -> Result<String> {
-        let template = self.chat_template.as_ref().ok_or_else(|| {
-            ModelError::Template(
-                "the model has no chat template (no chat_template.jinja and no `chat_template` in tokenizer_config.json)"
-                    .into(),
-            )
-        })?;
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or(ModelError::NoChatTemplate)?;
         template.render(
             messages,
             add_generation_prompt,

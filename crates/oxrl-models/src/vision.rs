@@ -6,7 +6,8 @@
 //! Built only from candle primitives with a backward, so training reaches every vision weight.
 
 use crate::error::{ModelError, Result};
-use crate::qwen3::{linear, rope};
+use crate::ops::{linear, rope};
+pub use crate::weights::Init;
 use candle_core::{DType, Device, Tensor, D};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -236,14 +237,6 @@ fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result
         .broadcast_mul(&weight.to_dtype(DType::F32)?)?
         .broadcast_add(&bias.to_dtype(DType::F32)?)?
         .to_dtype(dtype)
-}
-
-/// How [`crate::Qwen3::random`] initialises a vision weight (transformers' defaults).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Init {
-    Normal,
-    Ones,
-    Zeros,
 }
 
 /// Every vision weight's checkpoint name, shape and initialisation.

@@ -213,7 +213,7 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
     for tied in [false, true] {
         let mut model = tiny();
         if tied {
-            model.lm_head = model.embed_tokens.clone();
+            model.lm_head = model.model.embed_tokens.clone();
             model.tied = true;
         }
         let vars = model.make_trainable().unwrap();

@@ -5,7 +5,7 @@
 
 use crate::{RewardFn, RewardInput, Schedule};
 use candle_core::{DType, Device};
-use oxrl_models::{Qwen3RewardModel, Tokenizer};
+use oxrl_models::{load_sequence_classifier, SequenceClassifier, Tokenizer};
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -80,21 +80,25 @@ impl Running {
 }
 
 pub struct RewardModel {
-    model: Qwen3RewardModel,
+    model: Box<dyn SequenceClassifier>,
     tokenizer: Tokenizer,
     spec: RewardModelSpec,
     stats: Mutex<Running>,
 }
 
 impl RewardModel {
-    /// Loads the checkpoint in `dir` (already resolved from `spec.path`) and its tokenizer.
+    /// Loads the checkpoint in `dir` (already resolved from `spec.path`) through the model
+    /// registry (its `architectures` must name a sequence classifier) and its tokenizer.
     pub fn load(dir: &Path, spec: RewardModelSpec) -> oxrl_models::Result<Self> {
-        let model = Qwen3RewardModel::load(dir, spec.dtype, &Device::Cpu)?;
-        if model.num_labels != 1 {
+        let model = load_sequence_classifier(dir, spec.dtype, &Device::Cpu)?;
+        if model.num_labels() != 1 {
             return Err(oxrl_models::ModelError::ConfigKey {
                 path: dir.join("config.json"),
                 key: "num_labels".into(),
-                expected: format!("1 for a reward model (one score), got {}", model.num_labels),
+                expected: format!(
+                    "1 for a reward model (one score), got {}",
+                    model.num_labels()
+                ),
             });
         }
         let tokenizer = Tokenizer::from_dir(dir)?;

@@ -4,9 +4,9 @@
 //! config has no `pad_token_id`). Scoring runs the training path's forward on plain tensors, so
 //! no autograd graph is built.
 
+use super::Qwen3;
 use crate::checkpoint::{load_tensors, save_checkpoint, MAX_SHARD_BYTES};
 use crate::error::{ModelError, Result};
-use crate::qwen3::Qwen3;
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 use std::path::Path;
@@ -154,7 +154,18 @@ impl Qwen3RewardModel {
     }
 
     /// A random model as transformers initialises one (decoder and head from N(0, 0.02²)).
-    pub fn random(config_json: Value, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+    /// The config gets `architectures` = [`ARCHITECTURE`] when it names none, so the decoder
+    /// saved on its own is still a (headless) classifier checkpoint.
+    pub fn random(
+        mut config_json: Value,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if let Some(keys) = config_json.as_object_mut() {
+            keys.entry("architectures")
+                .or_insert_with(|| serde_json::json!([ARCHITECTURE]));
+        }
         let model = Qwen3::random(config_json, seed, dtype, device)?;
         let labels = num_labels(&model.config_json);
         // A decoder without layers whose embedding is [labels, hidden]: the same seeded
@@ -169,7 +180,7 @@ impl Qwen3RewardModel {
             dtype,
             device,
         )?;
-        let score = head.embed_tokens.contiguous()?;
+        let score = head.model.embed_tokens.contiguous()?;
         Self::new(model, score)
     }
 

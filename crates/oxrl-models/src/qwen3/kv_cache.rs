@@ -6,9 +6,12 @@
 //! sequences (written out over f32 slices, in parallel). It applies the same RMSNorm, RoPE and
 //! softmax-in-f32 as the training path, so the two give the same numbers.
 
+use super::rotary::rope_tables;
+use super::visual::{VisualInjection, NOT_PROMPT};
+use super::Qwen3;
 use crate::error::{ModelError, Result};
 use crate::image::ProcessedImage;
-use crate::qwen3::{linear, rms_norm, Qwen3, VisualInjection, NOT_PROMPT};
+use crate::ops::linear;
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -182,7 +185,7 @@ impl Qwen3 {
             )));
         }
         let total = ids.len();
-        let (cos, sin) = self.rope_tables(&positions)?;
+        let (cos, sin) = rope_tables(c, &positions, self.dtype, &self.device)?;
         let visual = match &self.vision {
             Some(v) if images.iter().any(|i| !i.is_empty()) => {
                 let all: Vec<&ProcessedImage> =
@@ -200,13 +203,13 @@ impl Qwen3 {
             _ => None,
         };
         let ids = Tensor::from_vec(ids, total, &self.device)?;
-        let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        let mut x = self.model.embed_tokens.index_select(&ids, 0)?;
         if let Some(v) = &visual {
             x = v.write_embeds(&x)?;
         }
-        for (l, layer) in self.layers.iter().enumerate() {
-            let xn = rms_norm(&x, &layer.input_layernorm, c.rms_norm_eps)?;
-            let (q, k, v) = self.qkv(layer, &xn, &cos, &sin)?;
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let xn = layer.input_layernorm.forward(&x, c.rms_norm_eps)?;
+            let (q, k, v) = layer.self_attn.qkv(c, &xn, &cos, &sin)?;
             let (q, k, v) = (to_f32_vec(&q)?, to_f32_vec(&k)?, to_f32_vec(&v)?);
             let mut attn = vec![0f32; total * q_width];
             let mut outs = Vec::with_capacity(chunks.len());
@@ -230,8 +233,8 @@ impl Qwen3 {
                 });
             let attn =
                 Tensor::from_vec(attn, (total, q_width), &self.device)?.to_dtype(self.dtype)?;
-            x = (x + linear(&attn, &layer.o_proj)?)?;
-            x = self.mlp_block(layer, &x)?;
+            x = (x + layer.self_attn.project_out(&attn)?)?;
+            x = layer.mlp_residual(c, &x)?;
             if let Some(v) = &visual {
                 x = v.add_deepstack(&x, l)?;
             }
@@ -242,7 +245,10 @@ impl Qwen3 {
         }
         let last: Vec<u32> = offsets[1..].iter().map(|&o| o as u32 - 1).collect();
         let last = Tensor::from_vec(last, chunks.len(), &self.device)?;
-        let x = rms_norm(&x.index_select(&last, 0)?, &self.norm, c.rms_norm_eps)?;
+        let x = self
+            .model
+            .norm
+            .forward(&x.index_select(&last, 0)?, c.rms_norm_eps)?;
         let rows = (LM_HEAD_SLICE_ELEMENTS / c.hidden_size).max(1024);
         let mut slices = Vec::new();
         let mut start = 0;

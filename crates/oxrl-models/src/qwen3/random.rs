@@ -1,0 +1,76 @@
+//! Random initialisation as transformers does it, for benchmarks, tests and new tiny policies.
+
+use super::causal_lm::{BODY, LM_HEAD};
+use super::config::ModelConfig;
+use super::model::{Qwen3Model, EMBED_TOKENS};
+use super::Qwen3;
+use crate::error::Result;
+use crate::weights::Init;
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::Path;
+
+impl Qwen3 {
+    /// A freshly initialised model as transformers makes one: every matrix (and the vision
+    /// position table) from N(0, 0.02²) (`initializer_range`), every norm weight 1, every bias
+    /// 0. For benchmarks, tests and new tiny policies; Qwen3-VL when the config has a
+    /// `vision_config`. A config without `architectures` gets the one it describes, so the
+    /// checkpoint it saves loads through [`crate::registry`].
+    pub fn random(
+        mut config_json: Value,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        use rand::{Rng, SeedableRng};
+        let source = Path::new("<random init>");
+        let ModelConfig {
+            text: config,
+            vision,
+        } = ModelConfig::from_value(&config_json, source)?;
+        if let Some(keys) = config_json.as_object_mut() {
+            keys.entry("architectures")
+                .or_insert_with(|| serde_json::json!([super::architecture(vision.is_some())]));
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let std = config_json
+            .get("initializer_range")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.02) as f32;
+        // The draw order (vision, embedding, LM head, then layer by layer) fixes every seeded
+        // model the project ships or benchmarks.
+        let mut draw = |shape: &[usize], init: Init| -> Result<Tensor> {
+            Ok(match init {
+                Init::Normal => {
+                    let n: usize = shape.iter().product();
+                    // Box–Muller: two uniforms give one standard normal.
+                    let v: Vec<f32> = (0..n)
+                        .map(|_| {
+                            let (u1, u2) = (1.0 - rng.random::<f32>(), rng.random::<f32>());
+                            std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+                        })
+                        .collect();
+                    Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?
+                }
+                Init::Ones => Tensor::ones(shape, dtype, device)?,
+                Init::Zeros => Tensor::zeros(shape, dtype, device)?,
+            })
+        };
+        let mut t = HashMap::new();
+        if let Some((vc, _)) = &vision {
+            for (name, shape, init) in crate::vision::parameter_shapes(vc) {
+                t.insert(name, draw(&shape, init)?);
+            }
+        }
+        let vocab = [config.vocab_size, config.hidden_size];
+        t.insert(format!("{BODY}{EMBED_TOKENS}"), draw(&vocab, Init::Normal)?);
+        if !config.tie_word_embeddings {
+            t.insert(LM_HEAD.to_string(), draw(&vocab, Init::Normal)?);
+        }
+        for (name, slot) in Qwen3Model::layer_slots(&config, BODY) {
+            t.insert(name, draw(&slot.shape, slot.init)?);
+        }
+        Self::from_tensors(config_json, source, t, dtype, device)
+    }
+}
