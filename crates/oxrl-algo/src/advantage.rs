@@ -1,5 +1,7 @@
 //! Outcome advantage estimators: one scalar reward per response, an advantage per response that
-//! every one of its tokens receives. Groups are the responses sharing a prompt uid.
+//! every one of its tokens receives. Groups are the responses sharing a prompt uid. Each
+//! estimator's formula and paper: `docs/rl-algorithms.md`, "Advantage estimators" (one section
+//! per registered name).
 
 use std::collections::HashMap;
 

@@ -1,7 +1,7 @@
 //! Loss aggregation over a mini-batch, expressed as one weight per token so that
 //! `agg(L) = Σ_t w_t · L_t`. The weights use the totals of the whole mini-batch (its token count
 //! and its number of responses), so summing micro-batch losses gives exactly the unsplit batch's
-//! loss, whatever the split.
+//! loss, whatever the split. Formulas: `docs/rl-algorithms.md`, "Loss aggregation".
 
 /// The weight of each token of a sequence of `n` tokens in a mini-batch with `totals`.
 type TokenWeight = fn(n: usize, totals: &BatchTotals) -> f64;

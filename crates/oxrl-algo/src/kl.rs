@@ -1,5 +1,6 @@
 //! KL estimators between the current policy and the reference, per token, from log-probs:
-//! δ = logp − logp_ref. Gradients flow through `logp` only.
+//! δ = logp − logp_ref. Gradients flow through `logp` only. Formulas: `docs/rl-algorithms.md`,
+//! "KL to the reference policy".
 
 use candle_core::{Result, Tensor};
 

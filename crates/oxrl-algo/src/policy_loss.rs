@@ -1,4 +1,5 @@
-//! Policy-gradient losses per token, before aggregation, as in `docs/rl-algorithms.md`.
+//! Policy-gradient losses per token, before aggregation, as in `docs/rl-algorithms.md`,
+//! "Policy losses" (one section per registered name, with its paper).
 //! Inputs are flat `[N]` tensors over the response tokens of consecutive sequences
 //! (`seq_lens` gives their lengths); only `logp` carries a gradient.
 
