@@ -109,10 +109,9 @@ fn resolve_paths(base: &Path, files: Option<Vec<String>>) -> Vec<PathBuf> {
 
 impl RunConfig {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            path: path.display().to_string(),
-            line: 0,
-            message: e.to_string(),
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
         })?;
         Self::from_str(&text, path)
     }

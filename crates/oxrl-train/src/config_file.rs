@@ -13,12 +13,20 @@ use std::path::Path;
 use toml::de::{DeTable, DeValue};
 use toml::Spanned;
 
+/// A config file that cannot be read, or a problem at one of its lines.
 #[derive(Debug, thiserror::Error)]
-#[error("{path}:{line}: {message}")]
-pub struct ConfigError {
-    pub path: String,
-    pub line: usize,
-    pub message: String,
+pub enum ConfigError {
+    #[error("{}: {source}", .path.display())]
+    Io {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: {message}")]
+    At {
+        path: String,
+        line: usize,
+        message: String,
+    },
 }
 
 /// A value type the resolver reads; the key's [`Kind`] check has already passed, so `None`
@@ -483,7 +491,7 @@ impl<'a> Given<'a> {
 }
 
 fn given_err(path: &Path, line: usize, message: String) -> ConfigError {
-    ConfigError {
+    ConfigError::At {
         path: path.display().to_string(),
         line,
         message,
