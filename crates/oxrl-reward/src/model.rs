@@ -88,9 +88,10 @@ pub struct RewardModel {
 
 impl RewardModel {
     /// Loads the checkpoint in `dir` (already resolved from `spec.path`) through the model
-    /// registry (its `architectures` must name a sequence classifier) and its tokenizer.
-    pub fn load(dir: &Path, spec: RewardModelSpec) -> oxrl_models::Result<Self> {
-        let model = load_sequence_classifier(dir, spec.dtype, &Device::Cpu)?;
+    /// registry (its `architectures` must name a sequence classifier) and its tokenizer, onto
+    /// `device` (the run's).
+    pub fn load(dir: &Path, spec: RewardModelSpec, device: &Device) -> oxrl_models::Result<Self> {
+        let model = load_sequence_classifier(dir, spec.dtype, device)?;
         if model.num_labels() != 1 {
             return Err(oxrl_models::ModelError::ConfigKey {
                 path: dir.join("config.json"),

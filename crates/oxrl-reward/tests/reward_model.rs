@@ -69,7 +69,7 @@ fn scores_are_the_models_and_do_not_depend_on_batching() {
             functions: vec![WeightedReward {
                 name: "rm".into(),
                 weight: 1.0,
-                function: Arc::new(RewardModel::load(&dir, spec).unwrap()),
+                function: Arc::new(RewardModel::load(&dir, spec, &Device::Cpu).unwrap()),
             }],
             failure_score: 0.0,
             timeout: Duration::from_secs(30),
@@ -96,7 +96,7 @@ fn running_normalisation_then_scale_and_shift() {
         shift: 1.0,
         ..RewardModelSpec::new("rm")
     };
-    let rm = RewardModel::load(&dir, spec).unwrap();
+    let rm = RewardModel::load(&dir, spec, &Device::Cpu).unwrap();
     let got: Vec<f64> = rm
         .score_batch(&inputs())
         .into_iter()
@@ -129,7 +129,7 @@ fn a_classifier_with_two_labels_is_refused() {
     let model = Qwen3RewardModel::random(cfg, 1, DType::F32, &Device::Cpu).unwrap();
     let two = dir.with_file_name("rm2");
     model.save(&two, Some(&demo_policy())).unwrap();
-    let e = RewardModel::load(&two, RewardModelSpec::new("rm2"))
+    let e = RewardModel::load(&two, RewardModelSpec::new("rm2"), &Device::Cpu)
         .err()
         .unwrap()
         .to_string();

@@ -1,6 +1,6 @@
 //! The engine seam: token ids in, sampled token ids with their log-probabilities out, each
 //! completion stamped with the weight version that sampled it. The local engine implements it
-//! over a Qwen3 in this process; a remote server (vLLM, `oxrl serve`) implements it over HTTP
+//! over any `PolicyModel` in this process; a remote server (vLLM, `oxrl serve`) implements it over HTTP
 //! without the trainer noticing.
 //!
 //! Weights move only through [`Engine::sync_weights`], which also advances the engine's
@@ -9,10 +9,8 @@
 //! stacks) stops the run instead of quietly training off-policy.
 
 use crate::sampler::SamplerConfig;
-use candle_core::Tensor;
-use oxrl_models::{ModelError, ProcessedImage, Qwen3};
+use oxrl_models::{PolicyModel, ProcessedImage};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
 use std::sync::Arc;
 
 /// Which weights sampled a completion: 0 is the policy a run started from (or resumed at, as
@@ -26,26 +24,6 @@ pub struct WeightVersion(pub u64);
 impl std::fmt::Display for WeightVersion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "v{}", self.0)
-    }
-}
-
-/// What an engine may read from the trainer's policy when it takes new weights. A remote server
-/// is sent a saved checkpoint or the named tensors; an engine that shares the trainer's storage
-/// reads nothing.
-pub trait PolicyWeights {
-    /// Every weight under its checkpoint (Hugging Face) name.
-    fn named_weights(&self) -> Vec<(String, Tensor)>;
-    /// Writes the policy as a Hugging Face model directory, as a server reloads it from disk.
-    fn save_pretrained(&self, dir: &Path) -> std::result::Result<(), ModelError>;
-}
-
-impl PolicyWeights for Qwen3 {
-    fn named_weights(&self) -> Vec<(String, Tensor)> {
-        self.named_parameters()
-    }
-
-    fn save_pretrained(&self, dir: &Path) -> std::result::Result<(), ModelError> {
-        self.save(dir, None)
     }
 }
 
@@ -148,8 +126,10 @@ pub trait Engine {
     fn weight_version(&self) -> WeightVersion;
 
     /// Makes the engine sample from `policy`'s current weights, as `version`, before the next
-    /// `generate` returns anything. `version` must not be older than the engine's.
-    fn sync_weights(&mut self, policy: &dyn PolicyWeights, version: WeightVersion) -> Result<()>;
+    /// `generate` returns anything. `version` must not be older than the engine's. A remote
+    /// engine reads the policy's named tensors (`named_parameters`) or a checkpoint it saves
+    /// (`save_with`); one that shares the trainer's storage reads nothing.
+    fn sync_weights(&mut self, policy: &dyn PolicyModel, version: WeightVersion) -> Result<()>;
 
     /// `params.n` completions for each prompt, as `result[prompt][sample]`; `images[i]` are
     /// prompt `i`'s images (vision-language models), or `images` is empty for text prompts.

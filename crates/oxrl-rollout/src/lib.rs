@@ -8,8 +8,8 @@ pub mod local;
 pub mod sampler;
 
 pub use engine::{
-    Completion, Engine, EngineError, FinishReason, PolicyWeights, PromptImage, PromptImages,
-    SamplingParams, WeightVersion,
+    Completion, Engine, EngineError, FinishReason, PromptImage, PromptImages, SamplingParams,
+    WeightVersion,
 };
 pub use local::LocalEngine;
 pub use sampler::{SamplerConfig, SamplerScratch};

@@ -1,15 +1,15 @@
-//! The in-process engine over a Qwen3: continuous batching with per-sequence KV caches.
+//! The in-process engine over any [`PolicyModel`]: continuous batching with per-sequence KV caches.
 //!
 //! Each step either prefills newly admitted prompts (one forward over all their tokens; the `n`
 //! samples of a prompt then start from copies of its cache) or decodes one token for every active
 //! sequence in one forward. Finished sequences leave and free room for waiting prompts.
 
 use crate::engine::{
-    Completion, Engine, EngineError, FinishReason, PolicyWeights, PromptImages, Result,
-    SamplingParams, WeightVersion,
+    Completion, Engine, EngineError, FinishReason, PromptImages, Result, SamplingParams,
+    WeightVersion,
 };
 use crate::sampler::SamplerScratch;
-use oxrl_models::{KvCache, ProcessedImage, Qwen3, Tokenizer, VocabSlices};
+use oxrl_models::{KvCache, PolicyModel, ProcessedImage, Tokenizer, VocabSlices};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -26,7 +26,7 @@ pub struct Progress {
 type ProgressFn = Box<dyn FnMut(Progress) + Send>;
 
 pub struct LocalEngine {
-    model: Arc<Qwen3>,
+    model: Arc<dyn PolicyModel>,
     tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     /// Most sequences decoded together; more wait for a free slot.
@@ -92,7 +92,7 @@ impl StopRules<'_> {
 
 impl LocalEngine {
     pub fn new(
-        model: Arc<Qwen3>,
+        model: Arc<dyn PolicyModel>,
         tokenizer: Option<Arc<Tokenizer>>,
         eos_token_ids: Vec<u32>,
     ) -> Self {
@@ -216,7 +216,7 @@ impl Engine for LocalEngine {
 
     /// The model shares its storage with the trainer's variables, whose optimizer step already
     /// wrote the new weights in place: a sync only records their version.
-    fn sync_weights(&mut self, _policy: &dyn PolicyWeights, version: WeightVersion) -> Result<()> {
+    fn sync_weights(&mut self, _policy: &dyn PolicyModel, version: WeightVersion) -> Result<()> {
         if version < self.version {
             return Err(EngineError::VersionBackwards {
                 current: self.version,
@@ -245,7 +245,7 @@ impl Engine for LocalEngine {
             strings: &params.stop_strings,
             tokenizer: self.tokenizer.as_deref(),
             max_new_tokens: params.max_new_tokens,
-            max_positions: model.config.max_position_embeddings,
+            max_positions: model.max_positions(),
         };
         let total = prompts.len() * n;
         let mut results: Vec<Vec<Option<Completion>>> = vec![vec![None; n]; prompts.len()];

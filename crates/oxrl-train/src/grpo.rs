@@ -13,7 +13,7 @@ use crate::update::{OldPolicy, PolicyTrainer, Result, TrainError, UpdateReport};
 use candle_core::{DType, Device};
 use oxrl_algo::advantage::frac_zero_std_groups;
 use oxrl_algo::{compute_advantages, AdvantageConfig};
-use oxrl_models::{eos_token_ids, hub::resolve_model, ImagePrompting, Qwen3, Tokenizer};
+use oxrl_models::{eos_token_ids, hub::resolve_model, load_policy, ImagePrompting, Tokenizer};
 use oxrl_reward::{
     build_rule, CodeReward, HttpReward, RewardFn, RewardInput, RewardModel, RewardOutcome,
     RewardSet, WeightedReward,
@@ -36,17 +36,14 @@ fn dtype(name: &str) -> DType {
 
 /// Builds the policy trainer of a run: the policy (from `policy_dir`) on the run's device, the
 /// reference model when `kl_coef > 0` (default: the policy's initial weights), AdamW.
-pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path) -> Result<PolicyTrainer> {
+pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path, device: &Device) -> Result<PolicyTrainer> {
     let dt = dtype(&cfg.dtype);
-    let device = open_device(cfg)?;
-    let mut policy = Qwen3::load(policy_dir, dt, &device)?;
-    if let Some(v) = &mut policy.vision {
-        v.frozen = cfg.freeze_vision;
-    }
+    let mut policy = load_policy(policy_dir, dt, device)?;
+    policy.set_vision_frozen(cfg.freeze_vision);
     let reference = match cfg.algorithm.kl_coef > 0.0 {
         true => {
             let r = cfg.reference_path.as_deref().unwrap_or(&cfg.model_path);
-            Some(Qwen3::load(&resolve_model(r)?, dt, &device)?)
+            Some(load_policy(&resolve_model(r)?, dt, device)?)
         }
         false => None,
     };
@@ -57,7 +54,7 @@ pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path) -> Result<PolicyTrainer
 }
 
 /// The run's `[model] device`, opened; the error names the config file.
-fn open_device(cfg: &RunConfig) -> Result<Device> {
+pub(crate) fn open_device(cfg: &RunConfig) -> Result<Device> {
     cfg.device
         .open()
         .map_err(|e| TrainError::Invalid(format!("{}: [model] device: {e}", cfg.source.display())))
@@ -66,7 +63,7 @@ fn open_device(cfg: &RunConfig) -> Result<Device> {
 /// The run's reward functions, built before the policy loads: a code reward finds the sandbox's
 /// isolation and its interpreter here and a reward model is loaded, so a machine that cannot
 /// run them stops the run at once.
-fn reward_set(cfg: &RunConfig) -> Result<RewardSet> {
+fn reward_set(cfg: &RunConfig, device: &Device) -> Result<RewardSet> {
     if cfg.reward.functions.is_empty() {
         return Err(TrainError::Invalid(format!(
             "{}: a sampling run needs at least one [[reward.functions]] table",
@@ -90,7 +87,10 @@ fn reward_set(cfg: &RunConfig) -> Result<RewardSet> {
             RewardKind::Http(spec) => Arc::new(HttpReward::new(spec.clone())),
             RewardKind::Model(spec) => {
                 let dir = resolve_model(&spec.path)?;
-                Arc::new(RewardModel::load(&dir, spec.clone()).map_err(|e| invalid(e.to_string()))?)
+                Arc::new(
+                    RewardModel::load(&dir, spec.clone(), device)
+                        .map_err(|e| invalid(e.to_string()))?,
+                )
             }
         };
         functions.push(WeightedReward {
@@ -146,7 +146,8 @@ impl GrpoRun {
     /// Loads everything a sampling run needs; with `resume`, continues from the newest complete
     /// checkpoint in the output directory.
     pub fn new(cfg: RunConfig, resume: bool, save_rollouts: bool) -> Result<Self> {
-        let rewards = reward_set(&cfg)?;
+        let device = open_device(&cfg)?;
+        let rewards = reward_set(&cfg, &device)?;
         if cfg.data.train_files.is_empty() {
             return Err(TrainError::Invalid(format!(
                 "{}: [data] train_files is required for a sampling run",
@@ -189,7 +190,7 @@ impl GrpoRun {
             Some((_, dir)) => (dir.clone(), Some(state::load_state(dir)?)),
             None => (model_dir.clone(), None),
         };
-        let mut trainer = build_trainer(&cfg, &policy_dir)?;
+        let mut trainer = build_trainer(&cfg, &policy_dir, &device)?;
         let (step, cursor) = match &trainer_state {
             Some(s) => {
                 state::load_optimizer(&policy_dir, &mut trainer, s.optimizer_step)?;
@@ -207,11 +208,11 @@ impl GrpoRun {
         trainer.weight_version = WeightVersion(step);
         let eos = eos_token_ids(&model_dir, Some(&tokenizer))?;
         let mut engine: Box<dyn Engine> = Box::new(LocalEngine::new(
-            Arc::new(trainer.policy.detached()),
+            Arc::from(trainer.policy.detached()),
             Some(tokenizer.clone()),
             eos,
         ));
-        engine.sync_weights(&trainer.policy, trainer.weight_version)?;
+        engine.sync_weights(trainer.policy.as_ref(), trainer.weight_version)?;
         let order = DataOrder::new(prompts.len(), cfg.seed, cfg.data.shuffle, cursor);
         let metrics = MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), step)?;
         let gauges = Gauges::default();
@@ -307,7 +308,8 @@ impl GrpoRun {
         self.step += 1;
         let version = self.trainer.weight_version;
         time.time("weight_sync", || {
-            self.engine.sync_weights(&self.trainer.policy, version)
+            self.engine
+                .sync_weights(self.trainer.policy.as_ref(), version)
         })?;
         if self.save_rollouts {
             self.write_rollouts(&trajs)?;
@@ -608,7 +610,7 @@ pub fn replay(cfg: &RunConfig, rollouts: &Path) -> Result<BTreeMap<String, f64>>
     let model_dir = resolve_model(&cfg.model_path)?;
     let prompting = ImagePrompting::from_dir(&model_dir)?;
     crate::trajectory::attach_images(&mut trajs, rollouts, prompting.as_ref())?;
-    let mut trainer = build_trainer(cfg, &model_dir)?;
+    let mut trainer = build_trainer(cfg, &model_dir, &open_device(cfg)?)?;
     let mut time = PhaseTimes::default();
     let learned = learn(&mut trainer, &trajs, &mut time)?;
     let mut m = learned_metrics(learned, &trajs);

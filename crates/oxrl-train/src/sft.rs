@@ -4,7 +4,7 @@
 
 use crate::config::RunConfig;
 use crate::data::{read_rows, DataCursor, DataError, DataOrder, Row};
-use crate::grpo::build_trainer;
+use crate::grpo::{build_trainer, open_device};
 use crate::observe::{Gauges, MetricsLog, Progress};
 use crate::state::{self, TrainerState};
 use crate::update::{Result, TrainError};
@@ -128,7 +128,7 @@ pub fn run(cfg: &RunConfig, resume: bool) -> Result<PathBuf> {
     let policy_dir = resumed
         .as_ref()
         .map_or(model_dir.clone(), |(_, d)| d.clone());
-    let mut trainer = build_trainer(cfg, &policy_dir)?;
+    let mut trainer = build_trainer(cfg, &policy_dir, &open_device(cfg)?)?;
     let (mut step, cursor) = match &resumed {
         Some((_, dir)) => {
             let s = state::load_state(dir)?;

@@ -15,7 +15,7 @@ use crate::optim::{
 use crate::trajectory::Trajectory;
 use candle_core::{DType, Device, Tensor, Var};
 use oxrl_algo::{AdvantageConfig, BatchTotals, KlEstimator, LossAgg, PolicyLossConfig};
-use oxrl_models::{Entropy, Qwen3, ScoreRequest};
+use oxrl_models::{Entropy, PolicyModel, ScoreRequest};
 use oxrl_rollout::WeightVersion;
 use std::collections::BTreeMap;
 
@@ -86,9 +86,9 @@ pub struct OldPolicy {
 }
 
 pub struct PolicyTrainer {
-    pub policy: Qwen3,
+    pub policy: Box<dyn PolicyModel>,
     vars: Vec<(String, Var)>,
-    pub reference: Option<Qwen3>,
+    pub reference: Option<Box<dyn PolicyModel>>,
     pub optimizer: Box<dyn Optimizer>,
     pub algorithm: AlgorithmConfig,
     pub update: UpdateConfig,
@@ -208,8 +208,8 @@ fn flat(t: &[Vec<f32>], idx: &[usize], dev: &Device) -> candle_core::Result<Tens
 impl PolicyTrainer {
     /// Makes `policy` trainable and starts AdamW from its weights, on the policy's device.
     pub fn new(
-        mut policy: Qwen3,
-        reference: Option<Qwen3>,
+        mut policy: Box<dyn PolicyModel>,
+        reference: Option<Box<dyn PolicyModel>>,
         algorithm: AlgorithmConfig,
         update: UpdateConfig,
     ) -> Result<Self> {
@@ -246,7 +246,7 @@ impl PolicyTrainer {
     /// weights: the host AdamW on a CPU, the tensor AdamW on the policy's device elsewhere.
     pub fn restore_optimizer(&mut self, state: AdamW) -> Result<()> {
         let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
-        self.optimizer = adamw_on(&self.policy.device, state, &vars)?;
+        self.optimizer = adamw_on(self.policy.device(), state, &vars)?;
         Ok(())
     }
 
@@ -388,7 +388,7 @@ impl PolicyTrainer {
         totals: &BatchTotals,
     ) -> Result<(Tensor, MicroBatchOutput)> {
         let algo = &self.algorithm;
-        let dev = self.policy.device.clone();
+        let dev = self.policy.device().clone();
         let mtrajs: Vec<&Trajectory> = micro.iter().map(|&i| &trajs[i]).collect();
         let lens: Vec<usize> = mtrajs.iter().map(|t| t.response_ids.len()).collect();
         let entropy_mode = match (algo.entropy_coef != 0.0, &old.entropy) {

@@ -57,8 +57,8 @@ fn run(micro_batch_size: usize) -> (PolicyTrainer, Learned) {
     let reference = Qwen3::load(&dir.join("ref"), DType::F32, &Device::Cpu).unwrap();
     let trajs = read_trajectories(&dir.join("rollouts.jsonl")).unwrap();
     let mut trainer = PolicyTrainer::new(
-        policy,
-        Some(reference),
+        Box::new(policy),
+        Some(Box::new(reference)),
         algorithm(),
         update(micro_batch_size),
     )

@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use candle_core::DType;
-use oxrl_models::{Qwen3, HOST};
+use oxrl_models::{PolicyModel, Qwen3, Qwen3Config, HOST};
 use oxrl_rollout::{Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams};
 use oxrl_train::{learn, PhaseTimes};
 use rand::{Rng, SeedableRng};
@@ -186,8 +186,8 @@ fn vision(b: VisionBench) -> Result<()> {
         })
         .collect();
     let (secs, m) = vl_grpo_step(
-        model,
-        vl_w1_model(1)?,
+        Box::new(model),
+        Box::new(vl_w1_model(1)?),
         &prompts,
         &prompt_images,
         &b,
@@ -229,15 +229,15 @@ fn vision(b: VisionBench) -> Result<()> {
 /// One GRPO step (rollout, recomputed old log-probs, reference with β = 0.04, update) on image
 /// prompts; its seconds and phase metrics.
 fn vl_grpo_step(
-    policy: Qwen3,
-    reference: Qwen3,
+    policy: Box<dyn PolicyModel>,
+    reference: Box<dyn PolicyModel>,
     prompts: &[Vec<u32>],
     images: &[Vec<PromptImage>],
     b: &VisionBench,
     rng: &mut ChaCha8Rng,
 ) -> Result<(f64, std::collections::BTreeMap<String, f64>)> {
     let mut trainer = bench_trainer(policy, reference, b.new_tokens, 8, 1)?;
-    let mut engine = LocalEngine::new(Arc::new(trainer.policy.detached()), None, Vec::new());
+    let mut engine = LocalEngine::new(Arc::from(trainer.policy.detached()), None, Vec::new());
     let params = SamplingParams {
         n: b.n,
         max_new_tokens: b.new_tokens,
@@ -259,8 +259,8 @@ fn vl_grpo_step(
 /// The benchmark's trainer: GRPO advantages, PPO-clip, a reference with β = 0.04 (k3),
 /// token-mean aggregation scaled by the response length, recomputed old log-probs, AdamW.
 fn bench_trainer(
-    policy: Qwen3,
-    reference: Qwen3,
+    policy: Box<dyn PolicyModel>,
+    reference: Box<dyn PolicyModel>,
     new_tokens: usize,
     micro_batch_size: usize,
     total_steps: u64,
@@ -411,18 +411,17 @@ fn matmul_peak_gflops() -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) * reps as f64 / start.elapsed().as_secs_f64() / 1e9)
 }
 
-/// Matrix FLOPs of one GRPO step on `model`: every generated token's decode forward, the prefill,
+/// Matrix FLOPs of one GRPO step on a model of config `c`: every generated token's decode forward, the prefill,
 /// the old and reference forwards over prompt + response, and the update's forward + backward
 /// (2× the forward). A forward costs 2·(layer weights) per token plus 2·vocab·hidden per scored
 /// token (lm_head runs on response positions only when scoring).
 fn grpo_step_flops(
-    model: &Qwen3,
+    c: &Qwen3Config,
     prompt_tokens: usize,
     responses: usize,
     new_tokens: usize,
     prompt_len: usize,
 ) -> f64 {
-    let c = &model.config;
     let (d, i, l) = (
         c.hidden_size as f64,
         c.intermediate_size as f64,
@@ -445,17 +444,18 @@ fn grpo_step_flops(
 fn grpo_step(b: GrpoStepBench) -> Result<()> {
     let peak = matmul_peak_gflops()?;
     let policy = w1_model(0)?;
+    let config = policy.config.clone();
     let reference = w1_model(1)?;
     let mut trainer = bench_trainer(
-        policy,
-        reference,
+        Box::new(policy),
+        Box::new(reference),
         b.new_tokens,
         b.micro_batch_size,
         b.steps as u64,
     )?;
-    let mut engine = LocalEngine::new(Arc::new(trainer.policy.detached()), None, Vec::new());
+    let mut engine = LocalEngine::new(Arc::from(trainer.policy.detached()), None, Vec::new());
     let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let prompts = w1_prompts(b.prompts, trainer.policy.config.vocab_size, &mut rng);
+    let prompts = w1_prompts(b.prompts, trainer.policy.vocab_size(), &mut rng);
     let params = SamplingParams {
         n: b.n,
         max_new_tokens: b.new_tokens,
@@ -477,7 +477,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         let mut time = PhaseTimes::default();
         let mut m = learn(&mut trainer, &trajs, &mut time)?.report.metrics;
         m.extend(time.into_metrics());
-        engine.sync_weights(&trainer.policy, trainer.weight_version)?;
+        engine.sync_weights(trainer.policy.as_ref(), trainer.weight_version)?;
         m.insert("time/rollout".into(), rollout);
         m.insert("time/step".into(), start.elapsed().as_secs_f64());
         eprintln!("step {}: {:.2} s", step + 1, m["time/step"]);
@@ -499,7 +499,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     let prompt_len = prompt_tokens / prompts.len();
     let flops = grpo_step_flops(
-        &trainer.policy,
+        &config,
         prompt_tokens,
         b.prompts * b.n,
         b.new_tokens,

@@ -83,7 +83,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             lines
                 .iter()
                 .map(|line| {
-                    prompt_with_images(&line.fields, tok, &chat, &loaded.model, base)
+                    prompt_with_images(&line.fields, tok, &chat, loaded.model.as_ref(), base)
                         .with_context(|| format!("{}:{}", path.display(), line.number))
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -110,7 +110,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 fields.insert("prompt".into(), Value::String(text.clone()));
             }
             let (ids, imgs) =
-                prompt_with_images(&fields, tok, &chat, &loaded.model, Path::new("."))
+                prompt_with_images(&fields, tok, &chat, loaded.model.as_ref(), Path::new("."))
                     .context("--prompt")?;
             (vec![ids], vec![imgs])
         }

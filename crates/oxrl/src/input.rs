@@ -4,7 +4,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use oxrl_models::image::prompt_image_sources;
-use oxrl_models::{Qwen3, Tokenizer};
+use oxrl_models::{PolicyModel, Tokenizer};
 use oxrl_rollout::PromptImage;
 use serde_json::{Map, Value};
 use std::path::Path;
@@ -139,7 +139,7 @@ pub fn prompt_with_images(
     fields: &Map<String, Value>,
     tokenizer: Option<&Tokenizer>,
     chat: &ChatOptions,
-    model: &Qwen3,
+    model: &dyn PolicyModel,
     base: &Path,
 ) -> Result<(Vec<u32>, Vec<PromptImage>)> {
     let messages = fields

@@ -3,7 +3,8 @@
 
 use anyhow::{Context, Result};
 use candle_core::DType;
-use oxrl_models::{eos_token_ids, hub::resolve_model, DeviceSpec, Qwen3, Tokenizer};
+use oxrl_models::Tokenizer;
+use oxrl_models::{eos_token_ids, hub::resolve_model, load_policy, DeviceSpec, PolicyModel};
 use std::sync::Arc;
 
 /// Compute dtype of the model's forward pass (stored weights are converted on load).
@@ -25,7 +26,7 @@ impl DTypeArg {
 }
 
 pub struct Loaded {
-    pub model: Arc<Qwen3>,
+    pub model: Arc<dyn PolicyModel>,
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -33,7 +34,7 @@ pub struct Loaded {
 pub fn load(reference: &str, dtype: DTypeArg, device: DeviceSpec) -> Result<Loaded> {
     let dir = resolve_model(reference)?;
     let device = device.open()?;
-    let model = Qwen3::load(&dir, dtype.dtype(), &device)
+    let model = load_policy(&dir, dtype.dtype(), &device)
         .with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = match dir.join("tokenizer.json").exists() {
         true => Some(Arc::new(Tokenizer::from_dir(&dir)?)),
@@ -41,7 +42,7 @@ pub fn load(reference: &str, dtype: DTypeArg, device: DeviceSpec) -> Result<Load
     };
     let eos_token_ids = eos_token_ids(&dir, tokenizer.as_deref())?;
     Ok(Loaded {
-        model: Arc::new(model),
+        model: Arc::from(model),
         tokenizer,
         eos_token_ids,
     })

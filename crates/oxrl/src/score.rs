@@ -52,7 +52,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
                     .ok_or_else(|| anyhow!("`temperature`: expected a positive number, got {t}"))?,
             };
             let (prompt_ids, images) =
-                prompt_with_images(&line.fields, tok, &chat, &loaded.model, base)?;
+                prompt_with_images(&line.fields, tok, &chat, loaded.model.as_ref(), base)?;
             let request = ScoreRequest {
                 prompt_ids,
                 response_ids: response_ids(&line.fields, tok)?,
