@@ -125,7 +125,9 @@ fn hostile_snippets_are_contained_and_scored_as_failures() {
             "fork bomb",
             "import os\nwhile True:\n    os.fork()".into(),
             add.clone(),
-            &["BlockingIOError", "CPU time limit"],
+            // Which error the bomb dies of depends on the machine's load (EAGAIN, the CPU
+            // limit, or a traceback cut short): the containment checks below are the verdict.
+            &["BlockingIOError", "CPU time limit", "exit status"],
         ),
         (
             "memory bomb",
