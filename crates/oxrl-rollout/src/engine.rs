@@ -1,7 +1,7 @@
 //! The engine seam: token ids in, sampled token ids with their log-probabilities out, each
 //! completion stamped with the weight version that sampled it. The local engine implements it
-//! over any `PolicyModel` in this process; a remote server (vLLM, `oxrl serve`) implements it over HTTP
-//! without the trainer noticing.
+//! over any `PolicyModel` in this process; a remote server (vLLM, `oxrl serve`) implements it
+//! over HTTP without the trainer noticing.
 //!
 //! Weights move only through [`Engine::sync_weights`], which also advances the engine's
 //! [`WeightVersion`]. The trainer checks every completion's version against its own, so an

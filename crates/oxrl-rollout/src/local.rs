@@ -1,4 +1,5 @@
-//! The in-process engine over any [`PolicyModel`]: continuous batching with per-sequence KV caches.
+//! The in-process engine over any [`PolicyModel`]: continuous batching with per-sequence KV
+//! caches.
 //!
 //! Each step either prefills newly admitted prompts (one forward over all their tokens; the `n`
 //! samples of a prompt then start from copies of its cache) or decodes one token for every active

@@ -411,9 +411,9 @@ fn matmul_peak_gflops() -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) * reps as f64 / start.elapsed().as_secs_f64() / 1e9)
 }
 
-/// Matrix FLOPs of one GRPO step on a model of config `c`: every generated token's decode forward, the prefill,
-/// the old and reference forwards over prompt + response, and the update's forward + backward
-/// (2× the forward). A forward costs 2·(layer weights) per token plus 2·vocab·hidden per scored
+/// Matrix FLOPs of one GRPO step on a model of config `c`: every generated token's decode
+/// forward, the prefill, the old and reference forwards over prompt + response, and the update's
+/// forward + backward (2× the forward). A forward costs 2·(layer weights) per token plus 2·vocab·hidden per scored
 /// token (lm_head runs on response positions only when scoring).
 fn grpo_step_flops(
     c: &Qwen3Config,

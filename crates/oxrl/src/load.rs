@@ -3,8 +3,9 @@
 
 use anyhow::{Context, Result};
 use candle_core::DType;
-use oxrl_models::Tokenizer;
-use oxrl_models::{eos_token_ids, hub::resolve_model, load_policy, DeviceSpec, PolicyModel};
+use oxrl_models::{
+    eos_token_ids, hub::resolve_model, load_policy, DeviceSpec, PolicyModel, Tokenizer,
+};
 use std::sync::Arc;
 
 /// Compute dtype of the model's forward pass (stored weights are converted on load).
