@@ -132,66 +132,76 @@ pub fn save_checkpoint(
     }
     std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
 
-    let mut shards: Vec<Vec<&(String, Tensor)>> = vec![Vec::new()];
-    let mut shard_bytes = 0;
-    for entry in tensors {
-        let bytes = entry.1.elem_count() * entry.1.dtype().size_in_bytes();
-        if shard_bytes + bytes > max_shard_bytes && !shards.last().is_some_and(Vec::is_empty) {
-            shards.push(Vec::new());
-            shard_bytes = 0;
-        }
-        shard_bytes += bytes;
-        if let Some(shard) = shards.last_mut() {
-            shard.push(entry);
-        }
-    }
-    let n = shards.len();
-    let mut weight_map = serde_json::Map::new();
-    let mut total_size = 0;
-    for (i, shard) in shards.iter().enumerate() {
-        let file = match n {
-            1 => "model.safetensors".to_string(),
-            _ => format!("model-{:05}-of-{n:05}.safetensors", i + 1),
-        };
-        let map: HashMap<String, Tensor> =
-            shard.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
-        for (k, t) in &map {
-            weight_map.insert(k.clone(), file.clone().into());
-            total_size += t.elem_count() * t.dtype().size_in_bytes();
-        }
-        let path = tmp.join(&file);
-        candle_core::safetensors::save(&map, &path).map_err(|source| ModelError::Safetensors {
-            path: path.clone(),
-            source,
-        })?;
-        std::fs::File::open(&path)
-            .and_then(|f| f.sync_all())
-            .map_err(io_err(&path))?;
-    }
-    if n > 1 {
-        let index =
-            serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": weight_map});
-        let path = tmp.join("model.safetensors.index.json");
-        write_synced(
-            &path,
-            serde_json::to_string_pretty(&index)
-                .unwrap_or_default()
-                .as_bytes(),
-        )?;
-    }
-    let path = tmp.join("config.json");
-    let text = serde_json::to_string_pretty(config).unwrap_or_default();
-    write_synced(&path, text.as_bytes())?;
-    if let Some(src) = copy_from {
-        for file in SIDE_FILES {
-            let from = src.join(file);
-            if from.exists() {
-                let bytes = std::fs::read(&from).map_err(io_err(&from))?;
-                write_synced(&tmp.join(file), &bytes)?;
+    // A write that fails (a full disk, a read-only file) removes what it wrote: only a complete
+    // directory ever gets the final name, and no partial one is left behind.
+    let written = (|| -> Result<()> {
+        let mut shards: Vec<Vec<&(String, Tensor)>> = vec![Vec::new()];
+        let mut shard_bytes = 0;
+        for entry in tensors {
+            let bytes = entry.1.elem_count() * entry.1.dtype().size_in_bytes();
+            if shard_bytes + bytes > max_shard_bytes && !shards.last().is_some_and(Vec::is_empty) {
+                shards.push(Vec::new());
+                shard_bytes = 0;
+            }
+            shard_bytes += bytes;
+            if let Some(shard) = shards.last_mut() {
+                shard.push(entry);
             }
         }
+        let n = shards.len();
+        let mut weight_map = serde_json::Map::new();
+        let mut total_size = 0;
+        for (i, shard) in shards.iter().enumerate() {
+            let file = match n {
+                1 => "model.safetensors".to_string(),
+                _ => format!("model-{:05}-of-{n:05}.safetensors", i + 1),
+            };
+            let map: HashMap<String, Tensor> =
+                shard.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+            for (k, t) in &map {
+                weight_map.insert(k.clone(), file.clone().into());
+                total_size += t.elem_count() * t.dtype().size_in_bytes();
+            }
+            let path = tmp.join(&file);
+            candle_core::safetensors::save(&map, &path).map_err(|source| {
+                ModelError::Safetensors {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(io_err(&path))?;
+        }
+        if n > 1 {
+            let index = serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": weight_map});
+            let path = tmp.join("model.safetensors.index.json");
+            write_synced(
+                &path,
+                serde_json::to_string_pretty(&index)
+                    .unwrap_or_default()
+                    .as_bytes(),
+            )?;
+        }
+        let path = tmp.join("config.json");
+        let text = serde_json::to_string_pretty(config).unwrap_or_default();
+        write_synced(&path, text.as_bytes())?;
+        if let Some(src) = copy_from {
+            for file in SIDE_FILES {
+                let from = src.join(file);
+                if from.exists() {
+                    let bytes = std::fs::read(&from).map_err(io_err(&from))?;
+                    write_synced(&tmp.join(file), &bytes)?;
+                }
+            }
+        }
+        extra(&tmp)?;
+        Ok(())
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
     }
-    extra(&tmp)?;
+    written?;
     if out.exists() {
         let old = parent.join(format!(".{name}.old-{}", std::process::id()));
         std::fs::rename(out, &old).map_err(io_err(out))?;

@@ -6,7 +6,10 @@
 use crate::config::RewardKind;
 use crate::config::RunConfig;
 use crate::data::{load_prompts, DataCursor, DataOrder, PromptRow};
+use crate::interrupt::Interrupt;
+use crate::note;
 use crate::observe::{write_svg_chart, Gauges, MetricsLog, PhaseTimes, Progress};
+use crate::run_dir::RunDir;
 use crate::state::{self, TrainerState};
 use crate::trajectory::Trajectory;
 use crate::update::{OldPolicy, PolicyTrainer, Result, TrainError, UpdateReport};
@@ -114,6 +117,8 @@ pub struct RunSummary {
     pub reward_start: f64,
     pub reward_end: f64,
     pub output_dir: PathBuf,
+    /// The signal that stopped the run before `max_steps`, and the checkpoint it left.
+    pub interrupted: Option<(i32, Option<PathBuf>)>,
 }
 
 pub struct GrpoRun {
@@ -131,6 +136,8 @@ pub struct GrpoRun {
     metrics: MetricsLog,
     gauges: Gauges,
     save_rollouts: bool,
+    /// Held for the run: the lock on the output directory.
+    _run_dir: RunDir,
 }
 
 fn mean_std(xs: &[f64]) -> (f64, f64) {
@@ -176,17 +183,13 @@ impl GrpoRun {
             }
         };
         if dropped > 0 {
-            eprintln!(
+            note!(
                 "data: dropped {dropped} prompts longer than max_prompt_length = {}",
                 cfg.data.max_prompt_length
             );
         }
-        std::fs::create_dir_all(&cfg.output_dir)?;
-        let resumed = match resume {
-            true => state::latest(&cfg.output_dir),
-            false => None,
-        };
-        let (policy_dir, trainer_state) = match &resumed {
+        let run_dir = RunDir::open(&cfg.output_dir, resume)?;
+        let (policy_dir, trainer_state) = match &run_dir.resumed {
             Some((_, dir)) => (dir.clone(), Some(state::load_state(dir)?)),
             None => (model_dir.clone(), None),
         };
@@ -194,7 +197,7 @@ impl GrpoRun {
         let (step, cursor) = match &trainer_state {
             Some(s) => {
                 state::load_optimizer(&policy_dir, &mut trainer, s.optimizer_step)?;
-                eprintln!("resuming from {} (step {})", policy_dir.display(), s.step);
+                note!("resuming from {} (step {})", policy_dir.display(), s.step);
                 (s.step, s.data)
             }
             None => (
@@ -218,7 +221,7 @@ impl GrpoRun {
         let gauges = Gauges::default();
         if let Some(port) = cfg.prometheus_port {
             let addr = gauges.serve(port)?;
-            eprintln!("prometheus: serving http://{addr}/metrics");
+            note!("prometheus: serving http://{addr}/metrics");
         }
         Ok(Self {
             cfg,
@@ -234,22 +237,31 @@ impl GrpoRun {
             metrics,
             gauges,
             save_rollouts,
+            _run_dir: run_dir,
         })
     }
 
-    /// Runs until `max_steps` steps are done (counting steps before a resume).
-    pub fn run(&mut self, max_steps: u64) -> Result<RunSummary> {
+    /// Runs until `max_steps` steps are done (counting steps before a resume), or until
+    /// `interrupt` asks it to stop: then it finishes the step it is in, checkpoints it, and
+    /// returns.
+    pub fn run(&mut self, max_steps: u64, interrupt: &Interrupt) -> Result<RunSummary> {
         let progress = Progress::new(max_steps);
         let eval_every = self.cfg.eval_every;
         if self.step == 0 && !self.val.is_empty() {
             let v = self.validate()?;
-            eprintln!(
+            note!(
                 "validation before training: reward {:.3}",
                 v["val/reward_mean"]
             );
             self.log(&v)?;
         }
+        let mut interrupted = None;
+        let mut saved = None;
         while self.step < max_steps {
+            if let Some(signal) = interrupt.signal() {
+                interrupted = Some((signal, saved));
+                break;
+            }
             let mut m = self.step_once()?;
             if (eval_every > 0 && self.step.is_multiple_of(eval_every)) || self.step == max_steps {
                 m.extend(self.validate()?);
@@ -257,8 +269,9 @@ impl GrpoRun {
             self.log(&m)?;
             progress.step(self.step, &m);
             let periodic = self.cfg.save_every > 0 && self.step.is_multiple_of(self.cfg.save_every);
-            if periodic || self.step == max_steps {
-                self.save()?;
+            saved = None;
+            if periodic || self.step == max_steps || interrupt.signal().is_some() {
+                saved = Some(self.save()?);
             }
         }
         let series = self.metrics.series("reward_mean");
@@ -277,6 +290,7 @@ impl GrpoRun {
             reward_start: avg(&values[..k]),
             reward_end: avg(&values[values.len() - k..]),
             output_dir: self.cfg.output_dir.clone(),
+            interrupted,
         })
     }
 
@@ -615,7 +629,7 @@ pub fn replay(cfg: &RunConfig, rollouts: &Path) -> Result<BTreeMap<String, f64>>
     let learned = learn(&mut trainer, &trajs, &mut time)?;
     let mut m = learned_metrics(learned, &trajs);
     m.extend(time.into_metrics());
-    std::fs::create_dir_all(&cfg.output_dir)?;
+    let _run_dir = RunDir::open(&cfg.output_dir, false)?;
     MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), 0)?.append(&m, 1)?;
     let s = TrainerState {
         step: 1,

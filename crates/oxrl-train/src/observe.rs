@@ -8,6 +8,26 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+/// Writes a line to stderr for the person watching, and carries on if nobody is: a closed pipe
+/// (`oxrl train 2>&1 | head`) or a full disk must not stop a training run, so write errors are
+/// dropped here instead of panicking as `eprintln!` does.
+#[macro_export]
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// Like [`note!`] without the line end (a progress line redrawn in place).
+#[macro_export]
+macro_rules! note_inline {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 /// Wall-clock seconds of each named phase of a step, reported as `time/<phase>`.
 #[derive(Debug, Default)]
 pub struct PhaseTimes(BTreeMap<String, f64>);
@@ -35,7 +55,8 @@ impl PhaseTimes {
 }
 
 /// Appends one JSON line per step. On resume, lines past the resumed step are dropped first, so
-/// the file reads as if the run had never stopped.
+/// the file reads as if the run had never stopped; a run that starts at step 0 (fresh, or resumed
+/// before its first checkpoint) keeps none, so its step-0 validation line is written once.
 pub struct MetricsLog {
     path: PathBuf,
 }
@@ -50,7 +71,7 @@ impl MetricsLog {
                     serde_json::from_str::<serde_json::Value>(l)
                         .ok()
                         .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                        .is_some_and(|s| s <= keep_through_step)
+                        .is_some_and(|s| keep_through_step > 0 && s <= keep_through_step)
                 })
                 .map(|l| format!("{l}\n"))
                 .collect();
@@ -182,17 +203,17 @@ impl Progress {
         if self.tty {
             let width = 24;
             let filled = (step as usize * width) / self.total.max(1) as usize;
-            eprint!(
+            crate::note_inline!(
                 "\r\x1b[2K[{}{}] step {step}/{} | {numbers}",
                 "#".repeat(filled),
                 ".".repeat(width - filled.min(width)),
                 self.total
             );
             if step >= self.total {
-                eprintln!();
+                crate::note!();
             }
         } else {
-            eprintln!("step {step}/{} | {numbers}", self.total);
+            crate::note!("step {step}/{} | {numbers}", self.total);
         }
     }
 }

@@ -5,7 +5,9 @@
 use crate::config::RunConfig;
 use crate::data::{read_rows, DataCursor, DataError, DataOrder, Row};
 use crate::grpo::{build_trainer, open_device};
+use crate::interrupt::Interrupt;
 use crate::observe::{Gauges, MetricsLog, Progress};
+use crate::run_dir::RunDir;
 use crate::state::{self, TrainerState};
 use crate::update::{Result, TrainError};
 use oxrl_models::image::{is_image_item, prompt_image_sources};
@@ -96,8 +98,19 @@ fn image_items(messages: &[Value]) -> usize {
         .count()
 }
 
-/// Runs SFT for `max_steps` steps of `trainer.batch_size` examples; checkpoints like GRPO runs.
-pub fn run(cfg: &RunConfig, resume: bool) -> Result<PathBuf> {
+/// Where an SFT run ended.
+#[derive(Debug, Clone)]
+pub struct SftSummary {
+    pub steps: u64,
+    /// The newest checkpoint: the final weights, or the last ones saved before an interrupt.
+    pub last: PathBuf,
+    /// The signal that stopped the run before `max_steps`.
+    pub interrupted: Option<i32>,
+}
+
+/// Runs SFT for `max_steps` steps of `trainer.batch_size` examples; checkpoints like GRPO runs,
+/// and stops like them at a step boundary with a checkpoint when `interrupt` asks.
+pub fn run(cfg: &RunConfig, resume: bool, interrupt: &Interrupt) -> Result<SftSummary> {
     let model_dir = resolve_model(&cfg.model_path)?;
     let tok = Tokenizer::from_dir(&model_dir)?;
     let mut kwargs = Map::new();
@@ -119,12 +132,8 @@ pub fn run(cfg: &RunConfig, resume: bool) -> Result<PathBuf> {
         &kwargs,
         prompting.as_ref(),
     )?;
-    std::fs::create_dir_all(&cfg.output_dir)?;
-    let resumed = if resume {
-        state::latest(&cfg.output_dir)
-    } else {
-        None
-    };
+    let run_dir = RunDir::open(&cfg.output_dir, resume)?;
+    let resumed = run_dir.resumed.clone();
     let policy_dir = resumed
         .as_ref()
         .map_or(model_dir.clone(), |(_, d)| d.clone());
@@ -160,7 +169,12 @@ pub fn run(cfg: &RunConfig, resume: bool) -> Result<PathBuf> {
         state::save(&cfg.output_dir, trainer, &s, Some(&model_dir))
     };
     let mut last = policy_dir;
+    let mut interrupted = None;
     while step < cfg.max_steps {
+        if let Some(signal) = interrupt.signal() {
+            interrupted = Some(signal);
+            break;
+        }
         let start = Instant::now();
         let batch: Vec<ScoreRequest> = order
             .next_batch(cfg.batch_size)
@@ -173,11 +187,16 @@ pub fn run(cfg: &RunConfig, resume: bool) -> Result<PathBuf> {
         metrics.append(&m, step)?;
         gauges.set(&m);
         progress.step(step, &m);
-        if (cfg.save_every > 0 && step.is_multiple_of(cfg.save_every)) || step == cfg.max_steps {
+        let periodic = cfg.save_every > 0 && step.is_multiple_of(cfg.save_every);
+        if periodic || step == cfg.max_steps || interrupt.signal().is_some() {
             last = save(&trainer, step, order.cursor)?;
         }
     }
-    Ok(last)
+    Ok(SftSummary {
+        steps: step,
+        last,
+        interrupted,
+    })
 }
 
 /// The directory a finished SFT run's final weights are in.

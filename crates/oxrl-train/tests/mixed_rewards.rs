@@ -131,7 +131,7 @@ fn a_run_mixes_rule_code_model_and_remote_rewards() {
     let config = write_config(&dir, &reward_service());
     let cfg = RunConfig::from_file(&config).unwrap();
     let mut run = GrpoRun::new(cfg, false, false).unwrap();
-    run.run(1).unwrap();
+    run.run(1, &oxrl_train::Interrupt::default()).unwrap();
     let text = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
     let m: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     let get = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("no `{k}` in {m}"));

@@ -2,6 +2,7 @@
 //! intermediate 768, 4 layers, 4 heads / 2 kv heads, head_dim 64, vocab 151,936, tied, f32), so
 //! figures compare side by side with transformers on the same machine.
 
+use crate::output::say;
 use anyhow::Result;
 use candle_core::DType;
 use oxrl_models::{PolicyModel, Qwen3, Qwen3Config, HOST};
@@ -210,9 +211,9 @@ fn vision(b: VisionBench) -> Result<()> {
         for p in phases {
             obj.insert(p.into(), m.get(p).copied().unwrap_or(0.0).into());
         }
-        println!("{}", serde_json::Value::Object(obj));
+        say!("{}", serde_json::Value::Object(obj))?;
     } else {
-        println!(
+        say!(
             "vision: {} images of {}×{} through the tower in {tower_s:.3} s = {images_per_s:.1} images/s; \
              VL GRPO step ({} prompts × {} samples × {} tokens): {secs:.2} s \
              (rollout {:.2}, old logprobs {:.2}, ref {:.2}, update {:.2})",
@@ -221,7 +222,7 @@ fn vision(b: VisionBench) -> Result<()> {
             m.get("time/old_logprobs").copied().unwrap_or(0.0),
             m.get("time/ref").copied().unwrap_or(0.0),
             m.get("time/update").copied().unwrap_or(0.0),
-        );
+        )?;
     }
     Ok(())
 }
@@ -381,19 +382,19 @@ fn generate(b: GenerateBench) -> Result<()> {
     let tps = tokens as f64 / secs;
     let ratio = tps / TRANSFORMERS_TOKENS_PER_S;
     if b.json {
-        println!(
+        say!(
             "{}",
             json!({"bench": "generate", "sequences": b.prompts * b.n, "new_tokens": b.new_tokens,
                    "tokens": tokens, "seconds": secs, "tokens_per_s": tps,
                    "transformers_tokens_per_s": TRANSFORMERS_TOKENS_PER_S, "ratio_to_transformers": ratio})
-        );
+        )?;
     } else {
-        println!(
+        say!(
             "generate W1: {} sequences × {} new tokens = {tokens} tokens in {secs:.2} s → {tps:.0} tokens/s \
              ({ratio:.1}× transformers' {TRANSFORMERS_TOKENS_PER_S} tokens/s)",
             b.prompts * b.n,
             b.new_tokens
-        );
+        )?;
     }
     Ok(())
 }
@@ -480,7 +481,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         engine.sync_weights(trainer.policy.as_ref(), trainer.weight_version)?;
         m.insert("time/rollout".into(), rollout);
         m.insert("time/step".into(), start.elapsed().as_secs_f64());
-        eprintln!("step {}: {:.2} s", step + 1, m["time/step"]);
+        oxrl_train::note!("step {}: {:.2} s", step + 1, m["time/step"]);
         timed.push(m);
     }
     let counted = if timed.len() > 1 {
@@ -527,9 +528,9 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
             "speedup_vs_trl".into(),
             (TRL_SECONDS_PER_STEP / secs).into(),
         );
-        println!("{}", serde_json::Value::Object(obj));
+        say!("{}", serde_json::Value::Object(obj))?;
     } else {
-        println!(
+        say!(
             "grpo-step W1: {secs:.2} s/step (rollout {:.2}, old logprobs {:.2}, ref {:.2}, update {:.2}); \
              {:.2} TFLOP → {achieved:.0} GFLOP/s of a {peak:.0} GFLOP/s matmul peak; \
              {:.1}× TRL's ~{TRL_SECONDS_PER_STEP} s",
@@ -539,7 +540,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
             avg("time/update"),
             flops / 1e12,
             TRL_SECONDS_PER_STEP / secs
-        );
+        )?;
     }
     Ok(())
 }

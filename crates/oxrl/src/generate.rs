@@ -2,7 +2,7 @@
 
 use crate::input::{prompt_with_images, read_jsonl, ChatOptions};
 use crate::load::{load, DTypeArg};
-use crate::output::write_jsonl;
+use crate::output::{say, write_jsonl};
 use anyhow::{bail, Context, Result};
 use oxrl_models::DeviceSpec;
 use oxrl_rollout::{Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams};
@@ -137,12 +137,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     );
     if std::io::stderr().is_terminal() {
         engine.on_progress(|p| {
-            eprint!(
+            oxrl_train::note_inline!(
                 "\rgenerating: {}/{} sequences done, {} tokens",
-                p.finished, p.total, p.generated_tokens
+                p.finished,
+                p.total,
+                p.generated_tokens
             );
             if p.finished == p.total {
-                eprintln!();
+                oxrl_train::note!();
             }
         });
     }
@@ -150,11 +152,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.prompt.is_some() && args.output.is_none() {
         for (j, c) in results[0].iter().enumerate() {
             if args.n > 1 {
-                println!("--- sample {j} ({}) ---", c.finish_reason.as_str());
+                say!("--- sample {j} ({}) ---", c.finish_reason.as_str())?;
             }
             match &c.text {
-                Some(text) => println!("{text}"),
-                None => println!("{:?}", c.response_ids),
+                Some(text) => say!("{text}")?,
+                None => say!("{:?}", c.response_ids)?,
             }
         }
         return Ok(());

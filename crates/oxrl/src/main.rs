@@ -24,6 +24,8 @@ fn keep_freed_memory() {
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
     }
 }
+use oxrl_train::Interrupt;
+use std::io::Write;
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -54,22 +56,52 @@ enum Command {
     Bench(bench::BenchCommand),
 }
 
+/// Turns SIGINT and SIGTERM into a stop request for a training run: the first one is noted
+/// and the run stops after the step it is in, with a checkpoint; a second one stops the
+/// process at once, as the signal would have (checkpoints are written atomically, so even
+/// then the last complete one stays valid).
+fn stop_on_signals() -> anyhow::Result<Interrupt> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let interrupt = Interrupt::default();
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+    let seen = interrupt.clone();
+    std::thread::spawn(move || {
+        for signal in signals.forever() {
+            if seen.signal().is_some() {
+                let _ = signal_hook::low_level::emulate_default_handler(signal);
+                std::process::exit(128 + signal);
+            }
+            seen.request(signal);
+            oxrl_train::note!(
+                "\nstopping after the current step and writing a checkpoint (signal {signal}; \
+                 send it again to stop at once)"
+            );
+        }
+    });
+    Ok(interrupt)
+}
+
+/// The exit status a closed stdout gets, as if `SIGPIPE` had ended the process.
+const BROKEN_PIPE_STATUS: u8 = 128 + 13;
+
 fn main() -> ExitCode {
     keep_freed_memory();
     let cli = Cli::parse();
+    let done = |r: anyhow::Result<()>| r.map(|()| ExitCode::SUCCESS);
     let result = match cli.command {
-        Command::Score(args) => score::run(args),
-        Command::Generate(args) => generate::run(args),
-        Command::Train(args) => train::train(args),
-        Command::Sft(args) => train::sft(args),
-        Command::Config(args) => train::config(args),
-        Command::Bench(cmd) => bench::run(cmd),
+        Command::Score(args) => done(score::run(args)),
+        Command::Generate(args) => done(generate::run(args)),
+        Command::Train(args) => stop_on_signals().and_then(|i| train::train(args, &i)),
+        Command::Sft(args) => stop_on_signals().and_then(|i| train::sft(args, &i)),
+        Command::Config(args) => done(train::config(args)),
+        Command::Bench(cmd) => done(bench::run(cmd)),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
+        Err(e) if output::is_broken_pipe(&e) => ExitCode::from(BROKEN_PIPE_STATUS),
         Err(e) => {
             let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
-            eprintln!("error: {}", chain.join(": "));
+            let _ = writeln!(std::io::stderr(), "error: {}", chain.join(": "));
             ExitCode::FAILURE
         }
     }

@@ -1,8 +1,10 @@
 //! `oxrl train`, `oxrl sft` and `oxrl config`: the training commands over a run configuration.
 
+use crate::output::{print_text, say};
 use anyhow::{bail, Result};
-use oxrl_train::{config, replay, sft, GrpoRun, RunConfig};
+use oxrl_train::{config, replay, sft, GrpoRun, Interrupt, RunConfig};
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 /// The config `oxrl train` runs when given none: the demo that ships with the repository.
 const DEFAULT_CONFIG: &str = "examples/arithmetic/grpo.toml";
@@ -66,7 +68,30 @@ fn load(path: &Path, max_steps: Option<u64>, output_dir: Option<PathBuf>) -> Res
     Ok(cfg)
 }
 
-pub fn train(args: TrainArgs) -> Result<()> {
+/// The exit status of a run a signal stopped: 128 + the signal, as if it had killed the process.
+fn interrupted_status(signal: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(128 + signal).unwrap_or(u8::MAX))
+}
+
+/// Tells how an interrupted run ended and how to continue it.
+fn report_interrupt(signal: i32, steps: u64, checkpoint: Option<&Path>) -> Result<ExitCode> {
+    let name = match signal {
+        2 => "SIGINT".to_string(),
+        15 => "SIGTERM".to_string(),
+        s => format!("signal {s}"),
+    };
+    match checkpoint {
+        Some(dir) => say!(
+            "interrupted by {name} after step {steps}; checkpoint {} is complete: continue with \
+             --resume",
+            dir.display()
+        )?,
+        None => say!("interrupted by {name} before a step finished; nothing new was saved")?,
+    }
+    Ok(interrupted_status(signal))
+}
+
+pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
     let path = match args.config {
         Some(p) => p,
         None if Path::new(DEFAULT_CONFIG).exists() => PathBuf::from(DEFAULT_CONFIG),
@@ -76,7 +101,7 @@ pub fn train(args: TrainArgs) -> Result<()> {
     if let Some(rollouts) = args.rollouts {
         let m = replay(&cfg, &rollouts)?;
         let show = |k: &str| m.get(k).copied().unwrap_or(f64::NAN);
-        println!(
+        say!(
             "replayed {}: loss {:.6} pg_loss {:.6} kl {:.6} grad_norm {:.6}; checkpoint in {}",
             rollouts.display(),
             show("loss"),
@@ -84,42 +109,50 @@ pub fn train(args: TrainArgs) -> Result<()> {
             show("kl"),
             show("grad_norm"),
             cfg.output_dir.join("checkpoint-1").display()
-        );
-        return Ok(());
+        )?;
+        return Ok(ExitCode::SUCCESS);
     }
     let max_steps = cfg.max_steps;
     let mut run = GrpoRun::new(cfg, args.resume, args.save_rollouts)?;
-    let s = run.run(max_steps)?;
-    println!(
+    let s = run.run(max_steps, interrupt)?;
+    if let Some((signal, checkpoint)) = &s.interrupted {
+        return report_interrupt(*signal, s.steps, checkpoint.as_deref());
+    }
+    say!(
         "reward: {:.3} (first 10 steps) → {:.3} (last 10 steps) over {} steps; chart {}, metrics {}",
         s.reward_start,
         s.reward_end,
         s.steps,
         s.output_dir.join("reward.svg").display(),
         s.output_dir.join("metrics.jsonl").display()
-    );
-    Ok(())
+    )?;
+    Ok(ExitCode::SUCCESS)
 }
 
-pub fn sft(args: SftArgs) -> Result<()> {
+pub fn sft(args: SftArgs, interrupt: &Interrupt) -> Result<ExitCode> {
     let cfg = load(&args.config, args.max_steps, args.output_dir)?;
-    let last = sft::run(&cfg, args.resume)?;
-    println!("sft done: final checkpoint {}", last.display());
-    Ok(())
+    let s = sft::run(&cfg, args.resume, interrupt)?;
+    if let Some(signal) = s.interrupted {
+        let saved = s
+            .last
+            .starts_with(&cfg.output_dir)
+            .then_some(s.last.as_path());
+        return report_interrupt(signal, s.steps, saved);
+    }
+    say!("sft done: final checkpoint {}", s.last.display())?;
+    Ok(ExitCode::SUCCESS)
 }
 
 pub fn config(args: ConfigArgs) -> Result<()> {
     if let Some(path) = args.check {
         let cfg = RunConfig::from_file(&path)?;
-        println!("{cfg:#?}");
-        return Ok(());
+        return say!("{cfg:#?}");
     }
     if !args.explain {
         bail!("give --explain (every key) or --check FILE");
     }
     match args.markdown {
-        true => print!("{}", config::markdown()),
-        false => print!("{}", config::explain()),
+        true => print_text(&config::markdown()),
+        false => print_text(&config::explain()),
     }
-    Ok(())
 }

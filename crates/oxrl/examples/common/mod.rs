@@ -71,7 +71,9 @@ pub fn warm_up(root: &Path, init: &Path, name: &str, files: &[&str]) {
     let out: PathBuf = std::env::temp_dir().join(format!("oxrl-{name}-sft"));
     let _ = std::fs::remove_dir_all(&out);
     cfg.output_dir = out;
-    let last = oxrl_train::sft::run(&cfg, false).expect("sft");
+    let last = oxrl_train::sft::run(&cfg, false, &oxrl_train::Interrupt::default())
+        .expect("sft")
+        .last;
     let _ = std::fs::remove_file(&tmp_config);
     let policy = root.join("policy");
     let _ = std::fs::remove_dir_all(&policy);
