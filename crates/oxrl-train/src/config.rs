@@ -79,6 +79,8 @@ pub struct RunConfig {
     pub seed: u64,
     pub output_dir: PathBuf,
     pub prometheus_port: Option<u16>,
+    /// The address `/metrics` listens on: loopback unless the run says otherwise.
+    pub prometheus_host: String,
 }
 
 /// `base/rel` with `.` and `..` resolved lexically (`examples/a/../../runs` → `runs`).
@@ -217,6 +219,16 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
                 .map_err(|b| given.bad("reward_model", b.message))?,
         );
     }
+    // Each function's metrics (`reward/<name>`, its failures and latency) are keyed by name.
+    for (i, f) in functions.iter().enumerate() {
+        if functions[..i].iter().any(|g| g.name == f.name) {
+            let message = format!(
+                "a second reward function named \"{}\"; give each its own `name`",
+                f.name
+            );
+            return Err(given.function_err(i, "name", &message));
+        }
+    }
     for f in &mut functions {
         if let RewardKind::Model(spec) = &mut f.kind {
             spec.path = local_or_hub(std::mem::take(&mut spec.path));
@@ -326,6 +338,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
             None => PathBuf::from("runs").join(stem),
         },
         prometheus_port: given.get("logging.prometheus_port"),
+        prometheus_host: given.value("logging.prometheus_host"),
     })
 }
 
@@ -461,6 +474,20 @@ mod tests {
             ]
         );
         assert_eq!(c.output_dir, PathBuf::from("runs/x"));
+    }
+
+    #[test]
+    fn two_reward_functions_may_not_share_a_name() {
+        let e = parse(
+            "[model]\npath = \"m\"\n[[reward.functions]]\ntype = \"math_answer\"\n\
+             [[reward.functions]]\ntype = \"math_answer\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("run.toml:6") && e.contains("second reward function named \"math_answer\""),
+            "{e}"
+        );
     }
 
     #[test]

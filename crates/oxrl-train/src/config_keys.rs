@@ -404,6 +404,7 @@ pub const KEYS: &[KeySpec] = table! {
     key("trainer", "seed", int(0), Value("42"), "data order and sampling seed"),
     key("trainer", "output_dir", Kind::Str, Text("runs/<config name>"), "checkpoints, metrics.jsonl, reward.svg"),
     key("logging", "prometheus_port", Kind::Int { min: 0, max: u16::MAX as i64 }, Text("none"), "serve /metrics on this port"),
+    key("logging", "prometheus_host", Kind::Str, Value("\"127.0.0.1\""), "the address /metrics listens on (\"0.0.0.0\": every interface, for a scraper on another machine)"),
     key("", "policy_model", Kind::Str, Text("none"), "quick-start: [model] path"),
     key("", "reward_model", Kind::Str, Text("none"), "quick-start: a [[reward.functions]] table of type reward_model with this path, weight 1"),
     key("", "algorithm", Kind::Preset, Text("none"), "quick-start: a preset of [algorithm] keys"),

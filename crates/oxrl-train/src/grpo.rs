@@ -220,7 +220,7 @@ impl GrpoRun {
         let metrics = MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), step)?;
         let gauges = Gauges::default();
         if let Some(port) = cfg.prometheus_port {
-            let addr = gauges.serve(port)?;
+            let addr = gauges.serve(&cfg.prometheus_host, port)?;
             note!("prometheus: serving http://{addr}/metrics");
         }
         Ok(Self {

@@ -117,9 +117,99 @@ impl MetricsLog {
     }
 }
 
-/// The latest step's metrics, served as Prometheus gauges (`oxrl_<name>`, `/` → `_`).
+/// The latest step's metrics, served as Prometheus gauges. A `metrics.jsonl` key becomes a
+/// metric family by [`exposition`]: per-function and per-phase keys become one family with a
+/// label (`oxrl_reward{function="math"}`, `oxrl_phase_seconds{phase="rollout"}`), so names that
+/// differ only in punctuation never collide, and durations carry the `_seconds` unit.
 #[derive(Clone, Default)]
 pub struct Gauges(Arc<Mutex<BTreeMap<String, f64>>>);
+
+/// Where one metrics key goes in the exposition: family, label (name and value), help text.
+#[derive(Debug, PartialEq)]
+pub struct Exposed {
+    pub family: String,
+    pub label: Option<(&'static str, String)>,
+    pub help: String,
+}
+
+/// Families keyed by a name after a `/`: (key prefix, family, label name, help).
+const LABELLED: [(&str, &str, &str, &str); 5] = [
+    (
+        "time/",
+        "oxrl_phase_seconds",
+        "phase",
+        "Wall-clock seconds of each phase of the last step",
+    ),
+    (
+        "reward/",
+        "oxrl_reward",
+        "function",
+        "Mean reward of each reward function in the last step",
+    ),
+    (
+        "reward_failures/",
+        "oxrl_reward_failures",
+        "function",
+        "Calls of each reward function that failed or timed out in the last step",
+    ),
+    (
+        "reward_latency_s/",
+        "oxrl_reward_latency_seconds",
+        "function",
+        "Mean seconds per call of each reward function in the last step",
+    ),
+    (
+        "val/reward/",
+        "oxrl_val_reward",
+        "function",
+        "Mean validation reward of each reward function",
+    ),
+];
+
+/// A Prometheus metric name from a metrics key: `[a-zA-Z0-9_]`, units spelled out.
+fn metric_name(key: &str) -> String {
+    let name: String = key
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let name = match name.strip_suffix("_per_s") {
+        Some(stem) => format!("{stem}_per_second"),
+        None => match name.strip_suffix("_s") {
+            Some(stem) => format!("{stem}_seconds"),
+            None => name,
+        },
+    };
+    format!("oxrl_{name}")
+}
+
+/// How `key` is exposed.
+pub fn exposition(key: &str) -> Exposed {
+    for (prefix, family, label, help) in LABELLED {
+        if let Some(name) = key.strip_prefix(prefix) {
+            return Exposed {
+                family: family.into(),
+                label: Some((label, name.to_string())),
+                help: help.into(),
+            };
+        }
+    }
+    Exposed {
+        family: metric_name(key),
+        label: None,
+        help: format!("The last step's `{key}` (as in metrics.jsonl)"),
+    }
+}
+
+/// One metric family of the exposition: its help text and its samples (labels, value).
+type Family = (String, Vec<(Vec<(&'static str, String)>, f64)>);
+
+/// A label value with `\`, `"` and newlines escaped, as the text format requires.
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
 
 impl Gauges {
     pub fn set(&self, metrics: &BTreeMap<String, f64>) {
@@ -128,48 +218,105 @@ impl Gauges {
         }
     }
 
-    /// The Prometheus text exposition of every gauge.
+    /// The Prometheus text exposition of every gauge: each family once, with `# HELP` and
+    /// `# TYPE`, then its samples. Two keys that would give the same sample (`a/b` and `a_b`)
+    /// are told apart by a `key` label holding each one's own name.
     pub fn render(&self) -> String {
         let g = self.0.lock().map(|g| g.clone()).unwrap_or_default();
+        let mut families: BTreeMap<String, Family> = BTreeMap::new();
+        let mut plain: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for key in g.keys() {
+            let e = exposition(key);
+            if e.label.is_none() {
+                plain.entry(e.family).or_default().push(key.clone());
+            }
+        }
+        for (key, value) in &g {
+            let e = exposition(key);
+            let mut labels: Vec<(&str, String)> = e.label.into_iter().collect();
+            if plain.get(&e.family).is_some_and(|keys| keys.len() > 1) {
+                labels.push(("key", key.clone()));
+            }
+            let entry = families.entry(e.family).or_insert((e.help, Vec::new()));
+            entry.1.push((labels, *value));
+        }
         let mut out = String::new();
-        for (k, v) in g {
-            let name: String = format!("oxrl_{k}")
-                .chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '_' {
-                        c
-                    } else {
-                        '_'
-                    }
-                })
-                .collect();
-            out.push_str(&format!("# TYPE {name} gauge\n{name} {v}\n"));
+        for (family, (help, samples)) in families {
+            out.push_str(&format!("# HELP {family} {help}\n# TYPE {family} gauge\n"));
+            for (labels, value) in samples {
+                let labels: Vec<String> = labels
+                    .iter()
+                    .map(|(k, v)| format!("{k}=\"{}\"", escape_label(v)))
+                    .collect();
+                let labels = match labels.is_empty() {
+                    true => String::new(),
+                    false => format!("{{{}}}", labels.join(",")),
+                };
+                out.push_str(&format!("{family}{labels} {}\n", prometheus_number(value)));
+            }
         }
         out
     }
 
-    /// Serves `GET /metrics` on `port` from a background thread; returns the bound address.
-    pub fn serve(&self, port: u16) -> std::io::Result<std::net::SocketAddr> {
-        let listener = TcpListener::bind(("0.0.0.0", port))?;
+    /// Serves `GET /metrics` on `host:port` from a background thread; returns the bound
+    /// address. Each connection is answered on its own thread with read and write deadlines,
+    /// so a client that connects and says nothing delays nobody else.
+    pub fn serve(&self, host: &str, port: u16) -> std::io::Result<std::net::SocketAddr> {
+        let listener = TcpListener::bind((host, port))?;
         let addr = listener.local_addr()?;
         let gauges = self.clone();
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
-                let mut stream = stream;
-                let mut request_line = String::new();
-                let _ = BufReader::new(&stream).read_line(&mut request_line);
-                let (status, body) = match request_line.split_whitespace().nth(1) {
-                    Some("/metrics") => ("200 OK", gauges.render()),
-                    _ => ("404 Not Found", "not found\n".to_string()),
-                };
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                use std::sync::atomic::Ordering::SeqCst;
+                if open.fetch_add(1, SeqCst) >= MAX_SCRAPE_CONNECTIONS {
+                    open.fetch_sub(1, SeqCst);
+                    continue;
+                }
+                let (gauges, open) = (gauges.clone(), open.clone());
+                std::thread::spawn(move || {
+                    answer(stream, &gauges);
+                    open.fetch_sub(1, SeqCst);
+                });
             }
         });
         Ok(addr)
+    }
+}
+
+/// Connections answered at once; more are closed unanswered (a scraper needs one).
+const MAX_SCRAPE_CONNECTIONS: usize = 16;
+/// How long a connection may take to send its request line or read the answer.
+const SCRAPE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+fn answer(mut stream: std::net::TcpStream, gauges: &Gauges) {
+    let _ = stream.set_read_timeout(Some(SCRAPE_DEADLINE));
+    let _ = stream.set_write_timeout(Some(SCRAPE_DEADLINE));
+    let mut request_line = String::new();
+    if BufReader::new(&stream)
+        .read_line(&mut request_line)
+        .is_err()
+    {
+        return;
+    }
+    let (status, body) = match request_line.split_whitespace().nth(1) {
+        Some("/metrics") => ("200 OK", gauges.render()),
+        _ => ("404 Not Found", "not found\n".to_string()),
+    };
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+/// A sample value as the text format spells it (`NaN`, `+Inf`, `-Inf` included).
+fn prometheus_number(v: f64) -> String {
+    match v {
+        v if v.is_nan() => "NaN".into(),
+        v if v == f64::INFINITY => "+Inf".into(),
+        v if v == f64::NEG_INFINITY => "-Inf".into(),
+        v => v.to_string(),
     }
 }
 
@@ -274,33 +421,80 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prometheus_text_names_and_values() {
+    fn prometheus_families_have_help_units_and_labels() {
         let g = Gauges::default();
         g.set(&BTreeMap::from([
             ("reward/math".to_string(), 0.5),
             ("loss".to_string(), -1.25),
+            ("time/rollout".to_string(), 2.0),
+            ("reward_latency_s/remote".to_string(), 0.125),
+            ("reward_failures/code".to_string(), 3.0),
+            ("rollout/tokens_per_s".to_string(), 100.0),
+            ("kl".to_string(), f64::NAN),
         ]));
         let text = g.render();
-        assert!(
-            text.contains("# TYPE oxrl_reward_math gauge\noxrl_reward_math 0.5\n"),
-            "{text}"
+        for want in [
+            "# HELP oxrl_reward Mean reward of each reward function in the last step\n",
+            "# TYPE oxrl_reward gauge\noxrl_reward{function=\"math\"} 0.5\n",
+            "# TYPE oxrl_loss gauge\noxrl_loss -1.25\n",
+            "oxrl_phase_seconds{phase=\"rollout\"} 2\n",
+            "oxrl_reward_latency_seconds{function=\"remote\"} 0.125\n",
+            "oxrl_reward_failures{function=\"code\"} 3\n",
+            "oxrl_rollout_tokens_per_second 100\n",
+            "oxrl_kl NaN\n",
+        ] {
+            assert!(text.contains(want), "{want:?} missing from\n{text}");
+        }
+        assert_eq!(
+            text.matches("# HELP").count(),
+            text.matches("# TYPE").count()
         );
-        assert!(text.contains("oxrl_loss -1.25\n"));
     }
 
     #[test]
-    fn reward_failures_and_latency_per_function_are_gauges() {
+    fn names_that_differ_only_in_punctuation_stay_apart() {
         let g = Gauges::default();
         g.set(&BTreeMap::from([
-            ("reward_failures/code".to_string(), 3.0),
-            ("reward_latency_s/remote".to_string(), 0.125),
+            ("reward/a-b".to_string(), 1.0),
+            ("reward/a_b".to_string(), 2.0),
+            ("x/y".to_string(), 3.0),
+            ("x_y".to_string(), 4.0),
+            ("reward/q\"uote".to_string(), 5.0),
         ]));
         let text = g.render();
-        assert!(text.contains("oxrl_reward_failures_code 3\n"), "{text}");
+        assert!(text.contains("oxrl_reward{function=\"a-b\"} 1\n"), "{text}");
+        assert!(text.contains("oxrl_reward{function=\"a_b\"} 2\n"), "{text}");
+        assert!(text.contains("oxrl_x_y{key=\"x/y\"} 3\n"), "{text}");
+        assert!(text.contains("oxrl_x_y{key=\"x_y\"} 4\n"), "{text}");
         assert!(
-            text.contains("oxrl_reward_latency_s_remote 0.125\n"),
+            text.contains("oxrl_reward{function=\"q\\\"uote\"} 5\n"),
             "{text}"
         );
+        // Every sample line is unique.
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        let names: std::collections::BTreeSet<&str> = samples
+            .iter()
+            .map(|l| l.rsplit_once(' ').unwrap().0)
+            .collect();
+        assert_eq!(names.len(), samples.len(), "{text}");
+    }
+
+    #[test]
+    fn an_idle_connection_does_not_block_a_scrape() {
+        use std::io::Read;
+        let g = Gauges::default();
+        g.set(&BTreeMap::from([("reward_mean".to_string(), 0.75)]));
+        let addr = g.serve("127.0.0.1", 0).unwrap();
+        assert!(addr.ip().is_loopback());
+        let _idle = std::net::TcpStream::connect(addr).unwrap();
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(2)))
+            .unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        assert!(body.contains("oxrl_reward_mean 0.75"), "{body}");
     }
 
     #[test]
@@ -308,8 +502,8 @@ mod tests {
         use std::io::Read;
         let g = Gauges::default();
         g.set(&BTreeMap::from([("reward_mean".to_string(), 0.75)]));
-        let addr = g.serve(0).unwrap();
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", addr.port())).unwrap();
+        let addr = g.serve("127.0.0.1", 0).unwrap();
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
         s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             .unwrap();
         let mut body = String::new();

@@ -156,7 +156,7 @@ pub fn run(cfg: &RunConfig, resume: bool, interrupt: &Interrupt) -> Result<SftSu
     let metrics = MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), step)?;
     let gauges = Gauges::default();
     if let Some(port) = cfg.prometheus_port {
-        gauges.serve(port)?;
+        gauges.serve(&cfg.prometheus_host, port)?;
     }
     let progress = Progress::new(cfg.max_steps);
     let save = |trainer: &crate::PolicyTrainer, step: u64, cursor| -> Result<PathBuf> {
