@@ -28,6 +28,12 @@ pub enum ModelError {
         got: Vec<usize>,
         expected: Vec<usize>,
     },
+    /// The weights of the checkpoint in `dir` do not fit its `config.json`.
+    #[error("{}: {source}: the weights do not fit config.json", .dir.display())]
+    WeightsMismatch {
+        dir: PathBuf,
+        source: Box<ModelError>,
+    },
     #[error("{path}: {source}")]
     Safetensors {
         path: PathBuf,

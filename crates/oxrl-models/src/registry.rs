@@ -89,6 +89,19 @@ fn architecture_in(dir: &Path) -> Result<(&'static Architecture, std::path::Path
     Ok((architecture(&config, &path)?, path))
 }
 
+/// Names the checkpoint in an error about a tensor that is missing or of the wrong shape.
+fn in_checkpoint(dir: &Path) -> impl FnOnce(ModelError) -> ModelError + '_ {
+    move |e| match e {
+        ModelError::TensorShape { .. } | ModelError::MissingTensor(_) => {
+            ModelError::WeightsMismatch {
+                dir: dir.to_path_buf(),
+                source: Box::new(e),
+            }
+        }
+        e => e,
+    }
+}
+
 /// Loads the policy (causal LM) in `dir`; a checkpoint of another kind is an error naming it.
 pub fn load_policy(dir: &Path, dtype: DType, device: &Device) -> Result<Box<dyn PolicyModel>> {
     match architecture_in(dir)? {
@@ -98,7 +111,7 @@ pub fn load_policy(dir: &Path, dtype: DType, device: &Device) -> Result<Box<dyn 
                 ..
             },
             _,
-        ) => load(dir, dtype, device),
+        ) => load(dir, dtype, device).map_err(in_checkpoint(dir)),
         (a, path) => Err(ModelError::WrongModelKind {
             path,
             architecture: a.name,
@@ -121,7 +134,7 @@ pub fn load_sequence_classifier(
                 ..
             },
             _,
-        ) => load(dir, dtype, device),
+        ) => load(dir, dtype, device).map_err(in_checkpoint(dir)),
         (a, path) => Err(ModelError::WrongModelKind {
             path,
             architecture: a.name,

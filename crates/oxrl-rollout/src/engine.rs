@@ -36,6 +36,13 @@ pub struct PromptImage {
     pub source: Option<String>,
 }
 
+/// The largest group one prompt may ask for (`n`); a bound so that a typo (`--n 1e10`) is an
+/// error, not an allocation of the whole machine. GRPO groups are 4–64.
+pub const MAX_SAMPLES_PER_PROMPT: usize = 4096;
+
+/// The most sequences (prompts × `n`) one request may ask for.
+pub const MAX_SEQUENCES_PER_REQUEST: usize = 1 << 20;
+
 /// How to sample, shared by every prompt of one [`Engine::generate`] call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {

@@ -9,7 +9,7 @@ pub mod sampler;
 
 pub use engine::{
     Completion, Engine, EngineError, FinishReason, PromptImage, PromptImages, SamplingParams,
-    WeightVersion,
+    WeightVersion, MAX_SAMPLES_PER_PROMPT, MAX_SEQUENCES_PER_REQUEST,
 };
 pub use local::LocalEngine;
 pub use sampler::{SamplerConfig, SamplerScratch};

@@ -7,7 +7,7 @@
 
 use crate::engine::{
     Completion, Engine, EngineError, FinishReason, PromptImages, Result, SamplingParams,
-    WeightVersion,
+    WeightVersion, MAX_SAMPLES_PER_PROMPT, MAX_SEQUENCES_PER_REQUEST,
 };
 use crate::sampler::SamplerScratch;
 use oxrl_models::{KvCache, PolicyModel, ProcessedImage, Tokenizer, VocabSlices};
@@ -123,6 +123,21 @@ impl LocalEngine {
         let s = &params.sampler;
         if params.n == 0 {
             return bad("n (samples per prompt) must be at least 1".into());
+        }
+        if params.n > MAX_SAMPLES_PER_PROMPT {
+            return bad(format!(
+                "n (samples per prompt) must be at most {MAX_SAMPLES_PER_PROMPT}, got {}",
+                params.n
+            ));
+        }
+        let sequences = prompts.len().saturating_mul(params.n);
+        if sequences > MAX_SEQUENCES_PER_REQUEST {
+            return bad(format!(
+                "{} prompts × n = {} = {sequences} sequences in one request; the engine takes at \
+                 most {MAX_SEQUENCES_PER_REQUEST} (split the prompts)",
+                prompts.len(),
+                params.n
+            ));
         }
         if params.max_new_tokens == 0 {
             return bad("max_new_tokens must be at least 1".into());
@@ -285,6 +300,8 @@ impl Engine for LocalEngine {
                     &chunk_images,
                     &mut caches.iter_mut().collect::<Vec<_>>(),
                 )?;
+                // A response never outgrows the model's positions, whatever max_new_tokens says.
+                let reserve = params.max_new_tokens.min(model.max_positions());
                 let mut fresh = Vec::with_capacity(admit.len() * n);
                 let mut rows = Vec::with_capacity(admit.len() * n);
                 for (row, (&prompt, cache)) in admit.iter().zip(caches).enumerate() {
@@ -296,8 +313,8 @@ impl Engine for LocalEngine {
                             sample,
                             cache: cache.clone(),
                             rng,
-                            response: Vec::with_capacity(params.max_new_tokens),
-                            logprobs: Vec::with_capacity(params.max_new_tokens),
+                            response: Vec::with_capacity(reserve),
+                            logprobs: Vec::with_capacity(reserve),
                             finish: None,
                             stopped_text: None,
                         });

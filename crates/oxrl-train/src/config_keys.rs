@@ -331,7 +331,7 @@ pub const KEYS: &[KeySpec] = table! {
     key("data", "overlong_prompts", Kind::OneOf(|| vec![choice("filter", "drops longer prompts"), choice("error", "stops the run")]), Value("\"filter\""), "what a prompt longer than max_prompt_length does"),
     key("data", "enable_thinking", Kind::Bool, Text("template default"), "enable_thinking passed to the chat template"),
     key("data", "shuffle", Kind::Bool, Value("true"), "shuffle the prompts each epoch with the run's seed"),
-    key("rollout", "n_samples_per_prompt", int(1), Value("8"), "group size G: responses sampled per prompt"),
+    key("rollout", "n_samples_per_prompt", Kind::Int { min: 1, max: oxrl_rollout::MAX_SAMPLES_PER_PROMPT as i64 }, Value("8"), "group size G: responses sampled per prompt"),
     key("rollout", "max_new_tokens", int(1), Value("256"), "response length limit"),
     key("rollout", "temperature", Kind::Float(Positive), Value("1.0"), "sampling temperature, also the temperature of the trainer's log-probs (which divide by it)"),
     key("rollout", "top_p", Kind::Float(Probability), Value("1.0"), "nucleus sampling"),

@@ -19,6 +19,8 @@ use std::sync::Arc;
 pub struct PromptRow {
     /// The row's `uid` or `id` column, else `<file>:<line>`.
     pub uid: String,
+    /// Where the row came from (`<file>:<line>`, or `<file>:row N` for Parquet), for errors.
+    pub at: String,
     pub prompt_ids: Vec<u32>,
     /// The rendered prompt text (what reward functions see as the prompt).
     pub prompt_text: String,
@@ -206,6 +208,7 @@ pub fn load_prompts(
             };
             rows.push(PromptRow {
                 uid,
+                at,
                 prompt_ids,
                 prompt_text,
                 row,

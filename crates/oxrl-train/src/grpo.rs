@@ -109,6 +109,25 @@ fn reward_set(cfg: &RunConfig, device: &Device) -> Result<RewardSet> {
     })
 }
 
+/// Every row has the columns the run's reward functions read: a missing answer would
+/// otherwise score every response of its prompt 0, and the run would train on noise.
+fn check_reward_columns(cfg: &RunConfig, rows: &[PromptRow]) -> Result<()> {
+    for f in &cfg.reward.functions {
+        let Some((column, key)) = f.required_column() else {
+            continue;
+        };
+        if let Some(row) = rows.iter().find(|r| !r.row.contains_key(column)) {
+            return Err(TrainError::Invalid(format!(
+                "{}: no `{column}` column, which reward function `{}` reads ({key} in {})",
+                row.at,
+                f.name,
+                cfg.source.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// What a finished run reports.
 #[derive(Debug, Clone)]
 pub struct RunSummary {
@@ -182,6 +201,9 @@ impl GrpoRun {
                 .0
             }
         };
+        for rows in [&prompts, &val] {
+            check_reward_columns(&cfg, rows)?;
+        }
         if dropped > 0 {
             note!(
                 "data: dropped {dropped} prompts longer than max_prompt_length = {}",

@@ -50,6 +50,20 @@ pub enum RewardKind {
     Model(RewardModelSpec),
 }
 
+impl RewardFunction {
+    /// The data column every row must have for this function to score it, with the key that
+    /// names it: the answer of `math_answer` / `exact_match`, the tests of `code`.
+    pub fn required_column(&self) -> Option<(&str, &'static str)> {
+        match &self.kind {
+            RewardKind::Rule(r) if matches!(r.kind.as_str(), "math_answer" | "exact_match") => {
+                Some((&r.answer_key, "answer_key"))
+            }
+            RewardKind::Code(c) => Some((&c.tests_key, "tests_key")),
+            _ => None,
+        }
+    }
+}
+
 /// One resolved `[[reward.functions]]` table.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RewardFunction {

@@ -16,9 +16,18 @@ use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// The (prompt, assistant response) token pairs of every conversation in `files`. Each row's
-/// `column` holds the chat messages; their image items (with sources, or filled in order from
-/// the `image_key` column) come with every turn after them, for a policy that takes images.
+/// The longest example a model can train on (its positions), and what a longer one does:
+/// dropped and counted, or an error naming its row.
+#[derive(Debug, Clone, Copy)]
+pub struct LengthLimit {
+    pub max_tokens: usize,
+    pub drop: bool,
+}
+
+/// The (prompt, assistant response) token pairs of every conversation in `files`, and how many
+/// were dropped for `limit`. Each row's `column` holds the chat messages; their image items
+/// (with sources, or filled in order from the `image_key` column) come with every turn after
+/// them, for a policy that takes images.
 pub fn load_examples(
     files: &[PathBuf],
     column: &str,
@@ -26,8 +35,10 @@ pub fn load_examples(
     tok: &Tokenizer,
     kwargs: &Map<String, Value>,
     prompting: Option<&ImagePrompting>,
-) -> std::result::Result<Vec<ScoreRequest>, DataError> {
+    limit: Option<LengthLimit>,
+) -> std::result::Result<(Vec<ScoreRequest>, usize), DataError> {
     let mut out = Vec::new();
+    let mut dropped = 0;
     for file in files {
         let base = file.parent().unwrap_or(Path::new("."));
         for Row { at, columns } in read_rows(file)? {
@@ -69,6 +80,20 @@ pub fn load_examples(
                     return Err(DataError::row(&at, format!("turn {turn}: the chat template does not render the conversation as the prompt followed by the reply"
                     )));
                 }
+                if let Some(limit) = limit.filter(|l| full.len() > l.max_tokens) {
+                    if limit.drop {
+                        dropped += 1;
+                        continue;
+                    }
+                    return Err(DataError::row(
+                        &at,
+                        format!(
+                            "turn {turn}: {} tokens, more than the model's {} positions",
+                            full.len(),
+                            limit.max_tokens
+                        ),
+                    ));
+                }
                 out.push(ScoreRequest {
                     response_ids: full[prompt_ids.len()..].to_vec(),
                     prompt_ids,
@@ -82,10 +107,16 @@ pub fn load_examples(
         let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
         return Err(DataError::row(
             names.join(", "),
-            "the dataset has no assistant turns to train on",
+            match dropped {
+                0 => "the dataset has no assistant turns to train on".to_string(),
+                n => format!(
+                    "all {n} assistant turns are longer than the model's {} positions",
+                    limit.map_or(0, |l| l.max_tokens)
+                ),
+            },
         ));
     }
-    Ok(out)
+    Ok((out, dropped))
 }
 
 /// Image items in the contents of `messages` (what the chat template turns into image pads).
@@ -124,20 +155,32 @@ pub fn run(cfg: &RunConfig, resume: bool, interrupt: &Interrupt) -> Result<SftSu
         )));
     }
     let prompting = ImagePrompting::from_dir(&model_dir)?;
-    let examples = load_examples(
-        &cfg.data.train_files,
-        &cfg.data.prompt_key,
-        &cfg.data.image_key,
-        &tok,
-        &kwargs,
-        prompting.as_ref(),
-    )?;
     let run_dir = RunDir::open(&cfg.output_dir, resume)?;
     let resumed = run_dir.resumed.clone();
     let policy_dir = resumed
         .as_ref()
         .map_or(model_dir.clone(), |(_, d)| d.clone());
     let mut trainer = build_trainer(cfg, &policy_dir, &open_device(cfg)?)?;
+    let limit = LengthLimit {
+        max_tokens: trainer.policy.max_positions(),
+        drop: cfg.data.filter_overlong,
+    };
+    let (examples, dropped) = load_examples(
+        &cfg.data.train_files,
+        &cfg.data.prompt_key,
+        &cfg.data.image_key,
+        &tok,
+        &kwargs,
+        prompting.as_ref(),
+        Some(limit),
+    )?;
+    if dropped > 0 {
+        crate::note!(
+            "data: dropped {dropped} assistant turns longer than the model's {} positions \
+             ([data] overlong_prompts = \"error\" stops instead)",
+            limit.max_tokens
+        );
+    }
     let (mut step, cursor) = match &resumed {
         Some((_, dir)) => {
             let s = state::load_state(dir)?;

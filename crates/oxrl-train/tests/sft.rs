@@ -27,8 +27,10 @@ fn each_assistant_turn_is_one_example_with_only_its_tokens_as_response() {
         &tok,
         &Default::default(),
         None,
+        None,
     )
-    .unwrap();
+    .unwrap()
+    .0;
     assert_eq!(ex.len(), 2);
     assert_eq!(
         tok.decode(&ex[0].response_ids, false).unwrap(),

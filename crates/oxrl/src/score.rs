@@ -4,7 +4,7 @@
 use crate::input::{prompt_with_images, read_jsonl, response_ids, ChatOptions};
 use crate::load::{load, DTypeArg};
 use crate::output::write_jsonl;
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use oxrl_models::DeviceSpec;
 use oxrl_models::ScoreRequest;
 use serde_json::{json, Value};
@@ -80,6 +80,20 @@ pub fn run(args: ScoreArgs) -> Result<()> {
         requests.push(request);
     }
     let scored = loaded.model.score_batch(&requests)?;
+    // JSON has no NaN: a non-finite log-prob would be written as `null` and pass unnoticed.
+    if let Some(i) = scored
+        .iter()
+        .position(|lp| lp.iter().any(|x| !x.is_finite()))
+    {
+        bail!(
+            "{}:{}: the model gives non-finite log-probs (NaN or infinity): its weights in {} \
+             hold NaN or infinite values, or overflow in {:?}",
+            args.input.display(),
+            lines[i].number,
+            args.model,
+            args.dtype
+        );
+    }
     let out: Vec<Value> = scored
         .iter()
         .map(|lp| {
