@@ -79,12 +79,17 @@ pub fn read_rows(file: &Path) -> Result<Vec<Row>, DataError> {
         path: file.to_path_buf(),
         source,
     })?;
+    parse_jsonl(&text, &file.display().to_string())
+}
+
+/// The rows of JSONL `text` (from the file named `name`): one JSON object per non-blank line.
+pub fn parse_jsonl(text: &str, name: &str) -> Result<Vec<Row>, DataError> {
     let mut rows = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         if raw.trim().is_empty() {
             continue;
         }
-        let at = format!("{}:{}", file.display(), i + 1);
+        let at = format!("{name}:{}", i + 1);
         let columns = match serde_json::from_str(raw) {
             Ok(Value::Object(m)) => m,
             Ok(_) => return Err(DataError::row(at, "expected a JSON object")),

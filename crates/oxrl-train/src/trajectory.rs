@@ -71,6 +71,13 @@ pub fn read_trajectories(path: &Path) -> Result<Vec<Trajectory>, TrajectoryError
         path: shown.clone(),
         source,
     })?;
+    parse_trajectories(&text, &shown)
+}
+
+/// The trajectories of JSONL `text` (from the file named `shown`), checked as `--rollouts`
+/// needs them.
+pub fn parse_trajectories(text: &str, shown: &str) -> Result<Vec<Trajectory>, TrajectoryError> {
+    let shown = shown.to_string();
     let mut out = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         if raw.trim().is_empty() {
