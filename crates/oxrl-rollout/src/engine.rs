@@ -115,6 +115,13 @@ pub enum EngineError {
         current: WeightVersion,
         to: WeightVersion,
     },
+    /// The model's next-token logits held NaN or infinities: its weights do, or the dtype
+    /// overflowed.
+    #[error(
+        "prompt {prompt}, response token {position}: the model's logits are not finite (NaN or \
+         infinity): its weights hold NaN or infinite values, or the dtype overflowed"
+    )]
+    NonFiniteLogits { prompt: usize, position: usize },
     #[error(transparent)]
     Model(#[from] oxrl_models::ModelError),
     #[error(transparent)]

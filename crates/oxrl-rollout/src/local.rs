@@ -200,6 +200,14 @@ impl LocalEngine {
                         })
                         .collect();
                     let (token, logprob) = params.sampler.sample(&row, &mut seq.rng, scratch);
+                    // A sampled token always has a finite log-prob under finite logits; NaN or
+                    // infinite logits (NaN weights, an overflow) would otherwise sample noise.
+                    if !logprob.is_finite() {
+                        return Err(EngineError::NonFiniteLogits {
+                            prompt: seq.prompt,
+                            position: seq.response.len(),
+                        });
+                    }
                     seq.response.push(token);
                     seq.logprobs.push(logprob);
                     rules.check(seq)

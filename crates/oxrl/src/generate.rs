@@ -148,7 +148,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             }
         });
     }
-    let results = engine.generate_with_images(&prompts, &images, &params)?;
+    let results = engine
+        .generate_with_images(&prompts, &images, &params)
+        .with_context(|| format!("generating with {}", args.model))?;
     if args.prompt.is_some() && args.output.is_none() {
         for (j, c) in results[0].iter().enumerate() {
             if args.n > 1 {

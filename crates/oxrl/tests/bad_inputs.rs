@@ -299,6 +299,19 @@ fn every_command_turns_bad_input_into_one_error_line() {
             &["at most 4096"],
         ),
         case(
+            "generate: NaN weights",
+            &[
+                "generate",
+                "--model",
+                &s(&nan),
+                "--prompt",
+                "1+1=",
+                "--output",
+                &s(&out),
+            ],
+            &["nan", "not finite"],
+        ),
+        case(
             "generate: n not a number",
             &[
                 "generate",
