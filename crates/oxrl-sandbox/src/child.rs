@@ -123,7 +123,7 @@ impl ChildSetup {
     /// `/tmp`, `/run`, `/dev/shm`, `/home`, `/var`… are not in it, so no host Unix socket,
     /// shared-memory file or home directory can be reached by path.
     fn mounts(&self) -> io::Result<()> {
-        // SAFETY: every pointer is a NUL-terminated string or a valid struct that outlives the call.
+        // SAFETY: every pointer is a NUL-terminated string or a struct that outlives the call.
         unsafe {
             check(libc::mount(
                 std::ptr::null(),
