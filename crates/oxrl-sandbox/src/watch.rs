@@ -124,14 +124,16 @@ impl MemoryWatch {
         total
     }
 
-    /// Whether the run is over its limit; sums at most every [`MEMORY_POLL`].
+    /// Whether the run is over its limit; sums at most every [`MEMORY_POLL`], and less often
+    /// when a large `/proc` makes a sum slow (at most 5% of the time spent summing).
     fn over(&mut self) -> bool {
         let now = Instant::now();
         if now < self.next {
             return false;
         }
-        self.next = now + MEMORY_POLL;
-        self.resident() > self.limit_bytes
+        let over = self.resident() > self.limit_bytes;
+        self.next = now + MEMORY_POLL.max(now.elapsed() * 20);
+        over
     }
 }
 
