@@ -435,6 +435,22 @@ fn assert_clean() {
 #[test]
 fn hostile_snippets_are_contained_and_scored_as_failures() {
     let _lock = exclusive();
+    // The survivors check is not vacuous: it sees both processes of a live run.
+    let reward = reward();
+    let code = "import os, time\nos.fork()\ntime.sleep(1)";
+    let live = std::thread::spawn(move || reward.evaluate(&input(code, json!("pass"))).unwrap());
+    let start = Instant::now();
+    let mut seen = Vec::new();
+    while seen.len() < 2 && start.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(20));
+        seen = our_foreign_processes();
+    }
+    live.join().unwrap();
+    assert!(
+        seen.len() >= 2,
+        "the survivors check missed a live run: {seen:?}"
+    );
+    assert_clean();
     suite("alone", true);
     assert_clean();
 }
