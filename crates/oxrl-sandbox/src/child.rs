@@ -253,9 +253,6 @@ impl ChildSetup {
             if self.mode.mounts() {
                 self.mounts()?;
             }
-            if self.mode == Mode::RootNamespaces {
-                self.drop_ids()?;
-            }
             check(libc::chdir(self.scratch.as_ptr()))?;
             // No descriptor of the parent (sockets among them) survives the exec.
             check(libc::syscall(
@@ -274,10 +271,10 @@ impl ChildSetup {
     }
 
     /// PID 1 of the run's namespace: its own session (so nothing it signals reaches the
-    /// supervisor), dies with the supervisor, gets its own /proc and the limits.
+    /// supervisor), its own /proc, `nobody` (without a user namespace: proc had to be mounted
+    /// as root), dies with the supervisor, and the limits.
     unsafe fn grandchild(&self) -> io::Result<()> {
         check(libc::setsid())?;
-        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL))?;
         if self.mode == Mode::Full || self.mode == Mode::RootNamespaces {
             check(libc::mount(
                 c(b"proc\0"),
@@ -287,6 +284,11 @@ impl ChildSetup {
                 std::ptr::null(),
             ))?;
         }
+        if self.mode == Mode::RootNamespaces {
+            self.drop_ids()?;
+        }
+        // After the id change, which clears the parent-death signal.
+        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL))?;
         for &(resource, soft, hard) in &self.rlimits {
             let lim = libc::rlimit {
                 rlim_cur: soft,

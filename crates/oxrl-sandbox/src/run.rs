@@ -491,6 +491,33 @@ mod tests {
         }
     }
 
+    /// Every mode this machine allows runs a program, and the mount modes show it only the
+    /// run's own root (the fallbacks must not break where only they work).
+    #[test]
+    fn every_mode_runs_a_program_in_its_layout() {
+        let id = Identity::current();
+        let mut modes = vec![Mode::Full, Mode::NamespacesOnly, Mode::Minimal];
+        if id.drop_from_root {
+            modes.push(Mode::RootNamespaces);
+        }
+        let code =
+            "import os\nprint(os.path.exists('/tmp/oxrl-sandbox-probe'), os.path.exists('/home'))";
+        let cmd = ["python3", "-I", "-B", "-c", code].map(String::from);
+        std::fs::write("/tmp/oxrl-sandbox-probe", b"").ok();
+        for mode in modes {
+            let sb = Sandbox::with_mode(Limits::default(), mode, id);
+            let o = sb
+                .run(&cmd, &[], b"")
+                .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert_eq!(o.exit, Exit::Code(0), "{mode:?}: {o:?}");
+            if mode.mounts() {
+                assert_eq!(out, "False False\n", "{mode:?}");
+            }
+        }
+        std::fs::remove_file("/tmp/oxrl-sandbox-probe").ok();
+    }
+
     /// The sandbox's cost per run: `true` sandboxed against `true` spawned plainly.
     #[test]
     fn per_run_overhead_is_a_few_milliseconds() {
