@@ -133,7 +133,6 @@ fn run_dirs() -> Vec<PathBuf> {
 
 /// What one suite pass needs outside the runs: the targets the snippets attack.
 struct Targets {
-    tag: String,
     bystander: Child,
     server: std::net::TcpListener,
     unix_path: PathBuf,
@@ -179,7 +178,6 @@ impl Targets {
         .map(|d| d.join(format!("oxrl-hostile-{tag}")))
         .collect();
         Targets {
-            tag,
             bystander,
             server,
             unix_path,
@@ -241,7 +239,6 @@ fn cases(t: &Targets) -> Vec<(&'static str, String, Value)> {
     let secret_file = quoted(&t.secret_file);
     let unix_path = quoted(&t.unix_path);
     let abstract_name = &t.abstract_name;
-    let _ = &t.tag;
     let add_then = |code: &str| format!("{code}\ndef add(a, b):\n    return a + b");
     vec![
         // Resources.

@@ -7,7 +7,8 @@ use std::sync::OnceLock;
 /// Which isolation the kernel allowed ([`crate::Sandbox::new`] picks the strongest that works).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// New user, mount, network, PID and IPC namespaces; read-only root, tmpfs scratch, own /proc.
+    /// New user, mount, network, PID and IPC namespaces; a read-only root of its own, tmpfs
+    /// scratch, own /proc.
     Full,
     /// The namespaces without the read-only root, scratch tmpfs and own /proc (mounts refused).
     NamespacesOnly,
