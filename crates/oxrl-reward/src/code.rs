@@ -22,10 +22,11 @@
 //! and every test ran without an exception (an early `os._exit(0)`, `sys.exit`, an `atexit`
 //! hook or a replaced `AssertionError` never writes it), and every comparison in the tests is
 //! strict (both sides made plain built-in values first, so a fake `__eq__` compares as what the
-//! object holds). In-process introspection (frames, `sys.modules`) can still reach the token and
-//! the tests' globals: the harness refuses the direct routes (`gc.get_objects`, `ctypes`,
-//! `/proc/*/mem`) but one interpreter cannot wall its code off from the solution's. Stdin/stdout
-//! tests need no harness: the expected output never enters the sandbox.
+//! object holds). The solution and tests run in a thread of their own, so their frames do not
+//! lead to the harness's, and an audit hook refuses `gc.get_objects`, `ctypes` and `/proc/*/mem`.
+//! One interpreter cannot wall its code off from the solution's, though: a trace function that
+//! jumps over the harness's checks, or a patched module the tests import, still cheats (README).
+//! Stdin/stdout tests need no harness: the expected output never enters the sandbox.
 
 use crate::{RewardFn, RewardInput, Schedule};
 use oxrl_sandbox::{Limits, Sandbox, SandboxError};

@@ -25,7 +25,7 @@ const SECRET: &str = "s3cr3t-oxrl-hostile-env";
 /// What the secret file outside the run holds.
 const FILE_SECRET: &str = "s3cr3t-oxrl-hostile-file";
 /// Snippets in the suite (README.md lists each).
-const CASES: usize = 28;
+const CASES: usize = 29;
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Serialises the tests of this file and sets the secret before the first spawns anything.
@@ -369,6 +369,11 @@ fn cases(t: &Targets) -> Vec<(&'static str, String, Value)> {
         (
             "cheat: reading its own file for the tests",
             "import re, sys\nsrc = ''\nfor p in [sys.argv[0], '/proc/self/fd/0', '/dev/stdin']:\n    try:\n        src += open(p).read()\n    except OSError:\n        pass\ntable = {(int(a), int(b)): int(c) for a, b, c in re.findall(r'add\\((\\d+), (\\d+)\\) == (\\d+)', src)}\ndef add(a, b):\n    return table[(a, b)]".into(),
+            add.clone(),
+        ),
+        (
+            "cheat: walking up the frames for the token",
+            "import os, sys\ndef add(a, b):\n    f = sys._getframe()\n    while f:\n        for v in list(f.f_locals.values()):\n            if isinstance(v, bytes) and len(v) == 34:\n                os.write(1, v)\n                os._exit(0)\n        f = f.f_back\n    return 0".into(),
             add.clone(),
         ),
         (
