@@ -14,6 +14,19 @@
 //!
 //! The runner is generic over a command: `{file}` in it is the path of the program file, so
 //! another language is `language`, `command` and `file_name` in the config.
+//!
+//! Python assert tests run under a harness (`code_harness.py`, the run's program file) so that a
+//! test passes only if it really ran and passed: the solution, the tests and a random per-run
+//! token arrive on stdin and are read before the solution runs (no file the solution can read
+//! holds the tests), the harness writes the token as stdout's last line only after the solution
+//! and every test ran without an exception (an early `os._exit(0)`, `sys.exit`, an `atexit`
+//! hook or a replaced `AssertionError` never writes it), and every comparison in the tests is
+//! strict (both sides made plain built-in values first, so a fake `__eq__` compares as what the
+//! object holds). The solution and tests run in a thread of their own, so their frames do not
+//! lead to the harness's, and an audit hook refuses `gc.get_objects`, `ctypes` and `/proc/*/mem`.
+//! One interpreter cannot wall its code off from the solution's, though: a trace function that
+//! jumps over the harness's checks, or a patched module the tests import, still cheats (README).
+//! Stdin/stdout tests need no harness: the expected output never enters the sandbox.
 
 use crate::{RewardFn, RewardInput, Schedule};
 use oxrl_sandbox::{Limits, Sandbox, SandboxError};
@@ -240,6 +253,23 @@ fn shorten(s: &str, n: usize) -> String {
     }
 }
 
+/// The harness of Python assert tests (module docs).
+const PYTHON_HARNESS: &str = include_str!("code_harness.py");
+
+/// A fresh random token, 32 hex digits, from the kernel's generator.
+fn run_token() -> Result<String, SandboxError> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|source| SandboxError::Io {
+            what: "cannot read",
+            path: "/dev/urandom".into(),
+            source,
+        })?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// The code reward: see the module docs.
 pub struct CodeReward {
     spec: CodeSpec,
@@ -269,9 +299,21 @@ impl CodeReward {
             .iter()
             .map(|a| a.replace("{file}", &file))
             .collect();
+        let harnessed = self.spec.language == "python";
+        let mut token = None;
         let (program, stdin) = match test {
-            TestCase::Program(t) => (format!("{code}\n\n{t}\n"), ""),
-            TestCase::Io { input, .. } => (format!("{code}\n"), input.as_str()),
+            TestCase::Program(t) if harnessed => {
+                let tok = run_token()?;
+                let payload = serde_json::json!({"token": tok, "solution": code, "tests": t});
+                let payload = payload.to_string();
+                token = Some(tok);
+                (
+                    PYTHON_HARNESS.to_string(),
+                    format!("{}\n{payload}", payload.len()),
+                )
+            }
+            TestCase::Program(t) => (format!("{code}\n\n{t}\n"), String::new()),
+            TestCase::Io { input, .. } => (format!("{code}\n"), input.clone()),
         };
         let files = [(self.spec.file_name.as_str(), program.as_bytes())];
         let outcome = self.sandbox.run(&command, &files, stdin.as_bytes())?;
@@ -282,9 +324,17 @@ impl CodeReward {
             });
         }
         Ok(match test {
-            TestCase::Program(_) => TestResult {
-                passed: true,
-                reason: None,
+            TestCase::Program(_) => match token {
+                Some(t) if !outcome.stdout.ends_with(format!("\n{t}\n").as_bytes()) => TestResult {
+                    passed: false,
+                    reason: Some(
+                        "exited with 0 before the tests finished (no harness token)".into(),
+                    ),
+                },
+                _ => TestResult {
+                    passed: true,
+                    reason: None,
+                },
             },
             TestCase::Io { output, .. } => {
                 let got = String::from_utf8_lossy(&outcome.stdout);
@@ -475,6 +525,37 @@ mod tests {
         let mut no_tests = row_input("```python\npass\n```", json!(null));
         no_tests.row.clear();
         assert!(fraction.score(&no_tests).unwrap_err().contains("`tests`"));
+    }
+
+    /// Honest solutions in the shapes datasets use pass the strict harness: stdlib containers
+    /// compared with plain values, a HumanEval `check(candidate)`, tolerances, printing.
+    #[test]
+    fn honest_solutions_pass_the_harness() {
+        let reward = CodeReward::new(CodeSpec::for_language("python")).unwrap();
+        let cases = [
+            (
+                "from collections import Counter\ndef f(s):\n    print('counting', s)\n    return Counter(s)",
+                "assert f('aab') == {'a': 2, 'b': 1}\nassert 'a' in f('a') and f('') == {}",
+            ),
+            (
+                "from collections import namedtuple\nP = namedtuple('P', 'x y')\ndef f():\n    return P(1, 2)",
+                "assert f() == (1, 2)\nassert f().x < 2 < 3\nassert f() is not None",
+            ),
+            (
+                "def add(a, b):\n    return a + b",
+                "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert all(candidate(i, 0) == i for i in range(5))\ncheck(add)",
+            ),
+            (
+                "import math\ndef f():\n    return 0.1 + 0.2",
+                "assert abs(f() - 0.3) < 1e-9 and math.isclose(f(), 0.3)\nassert isinstance(f(), float)\nassert [f()] != [0.3]",
+            ),
+        ];
+        for (code, tests) in cases {
+            let v = reward
+                .evaluate(&row_input(&format!("```python\n{code}\n```"), json!(tests)))
+                .unwrap();
+            assert_eq!(v.score, 1.0, "{code}: {v:?}");
+        }
     }
 
     #[test]

@@ -2,10 +2,12 @@
 //!
 //! `std::process::Command` forks; our `pre_exec` hook then runs in that child, which becomes the
 //! run's *supervisor*: it starts a new session, drops root to `nobody`, enters new user, mount,
-//! network, PID and IPC namespaces, makes the whole file system read-only except a size-capped
-//! tmpfs scratch directory, marks every inherited descriptor close-on-exec, and forks once more.
-//! The grandchild — PID 1 of the new PID namespace — starts its own session, mounts its own
-//! `/proc`, applies the rlimits and returns to `std`, which execs the command. The supervisor
+//! network, PID and IPC namespaces, pivots into a new root that holds only `/usr`, `/etc`, the
+//! library and binary directories, a few `/dev` nodes and the run directory — all read-only
+//! except a size-capped tmpfs scratch directory — marks every inherited descriptor
+//! close-on-exec, and forks once more. The grandchild — PID 1 of the new PID namespace — starts
+//! its own session, mounts its own `/proc`, applies the rlimits and returns to `std`, which
+//! execs the command. The supervisor
 //! never returns: it reports the grandchild's pid, waits for it, reports its wait status and CPU
 //! time through a pipe and exits. So the command never sees or reaches its real parent
 //! (`getppid()` is 0, its process group is its own), and when PID 1 exits or is killed the
@@ -37,6 +39,18 @@ struct MountAttr {
     userns_fd: u64,
 }
 
+/// One thing of the new root; `dst` paths are under the new root's mount point.
+pub enum RootEntry {
+    /// A host directory bound (recursively) at the same path.
+    Dir { src: CString, dst: CString },
+    /// A host file (a device node) bound at the same path.
+    File { src: CString, dst: CString },
+    /// A host symlink recreated (`/bin -> usr/bin`).
+    Symlink { target: CString, dst: CString },
+    /// A directory on the way to the run directory.
+    MkDir { dst: CString },
+}
+
 /// Everything the child needs, built before the fork.
 pub struct ChildSetup {
     pub mode: Mode,
@@ -45,8 +59,16 @@ pub struct ChildSetup {
     /// `"<id> <id> 1\n"` lines for uid_map / gid_map (the run keeps its outer ids).
     pub uid_map: CString,
     pub gid_map: CString,
-    /// The scratch directory: cwd, and the tmpfs mount point in the mount modes.
+    /// The scratch directory: cwd, and the tmpfs mount point in the mount modes (the same path
+    /// inside the new root as outside).
     pub scratch: CString,
+    /// Where the new root's tmpfs is mounted before `pivot_root` (`<run dir>/.root`).
+    pub new_root: CString,
+    /// What the new root holds, made in this order.
+    pub root_entries: Vec<RootEntry>,
+    /// The run directory, and the same path under `new_root` that it is bound to.
+    pub run_dir: CString,
+    pub run_dir_in_root: CString,
     pub tmpfs_options: CString,
     /// `(resource, soft, hard)`, applied in the grandchild just before exec.
     pub rlimits: Vec<(libc::__rlimit_resource_t, libc::rlim_t, libc::rlim_t)>,
@@ -96,9 +118,12 @@ impl ChildSetup {
         Ok(())
     }
 
-    /// The read-only root, the scratch tmpfs, and `nosuid` everywhere.
+    /// A new root holding only what programs need (see [`RootEntry`]) and the run directory,
+    /// all read-only and `nosuid`, with the scratch tmpfs as the one writable mount. The host's
+    /// `/tmp`, `/run`, `/dev/shm`, `/home`, `/var`… are not in it, so no host Unix socket,
+    /// shared-memory file or home directory can be reached by path.
     fn mounts(&self) -> io::Result<()> {
-        // SAFETY: every pointer is a NUL-terminated string or a valid struct that outlives the call.
+        // SAFETY: every pointer is a NUL-terminated string or a struct that outlives the call.
         unsafe {
             check(libc::mount(
                 std::ptr::null(),
@@ -107,6 +132,67 @@ impl ChildSetup {
                 libc::MS_REC | libc::MS_PRIVATE,
                 std::ptr::null(),
             ))?;
+            check(libc::mount(
+                c(b"tmpfs\0"),
+                self.new_root.as_ptr(),
+                c(b"tmpfs\0"),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                c(b"size=1m,mode=0755\0").cast(),
+            ))?;
+            for e in &self.root_entries {
+                match e {
+                    RootEntry::Dir { src, dst } => {
+                        check(libc::mkdir(dst.as_ptr(), 0o755))?;
+                        check(libc::mount(
+                            src.as_ptr(),
+                            dst.as_ptr(),
+                            std::ptr::null(),
+                            libc::MS_BIND | libc::MS_REC,
+                            std::ptr::null(),
+                        ))?;
+                    }
+                    RootEntry::File { src, dst } => {
+                        let fd = libc::open(
+                            dst.as_ptr(),
+                            libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
+                            0o644,
+                        );
+                        check(fd)?;
+                        libc::close(fd);
+                        check(libc::mount(
+                            src.as_ptr(),
+                            dst.as_ptr(),
+                            std::ptr::null(),
+                            libc::MS_BIND,
+                            std::ptr::null(),
+                        ))?;
+                    }
+                    RootEntry::Symlink { target, dst } => {
+                        check(libc::symlink(target.as_ptr(), dst.as_ptr()))?;
+                    }
+                    RootEntry::MkDir { dst } => {
+                        // An ancestor of the run directory may already exist (inside a bind).
+                        if libc::mkdir(dst.as_ptr(), 0o755) == -1
+                            && *libc::__errno_location() != libc::EEXIST
+                        {
+                            return Err(io::Error::last_os_error());
+                        }
+                    }
+                }
+            }
+            check(libc::mount(
+                self.run_dir.as_ptr(),
+                self.run_dir_in_root.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND,
+                std::ptr::null(),
+            ))?;
+            // pivot_root(".", ".") stacks the old root on the new one; detaching it leaves only
+            // the new root in this mount namespace.
+            check(libc::chdir(self.new_root.as_ptr()))?;
+            check(libc::syscall(libc::SYS_pivot_root, c(b".\0"), c(b".\0")) as libc::c_int)?;
+            check(libc::umount2(c(b".\0"), libc::MNT_DETACH))?;
+            check(libc::chdir(c(b"/\0")))?;
             let attr = MountAttr {
                 attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID,
                 attr_clr: 0,
@@ -167,9 +253,6 @@ impl ChildSetup {
             if self.mode.mounts() {
                 self.mounts()?;
             }
-            if self.mode == Mode::RootNamespaces {
-                self.drop_ids()?;
-            }
             check(libc::chdir(self.scratch.as_ptr()))?;
             // No descriptor of the parent (sockets among them) survives the exec.
             check(libc::syscall(
@@ -188,10 +271,10 @@ impl ChildSetup {
     }
 
     /// PID 1 of the run's namespace: its own session (so nothing it signals reaches the
-    /// supervisor), dies with the supervisor, gets its own /proc and the limits.
+    /// supervisor), its own /proc, `nobody` (without a user namespace: proc had to be mounted
+    /// as root), dies with the supervisor, and the limits.
     unsafe fn grandchild(&self) -> io::Result<()> {
         check(libc::setsid())?;
-        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL))?;
         if self.mode == Mode::Full || self.mode == Mode::RootNamespaces {
             check(libc::mount(
                 c(b"proc\0"),
@@ -201,6 +284,11 @@ impl ChildSetup {
                 std::ptr::null(),
             ))?;
         }
+        if self.mode == Mode::RootNamespaces {
+            self.drop_ids()?;
+        }
+        // After the id change, which clears the parent-death signal.
+        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL))?;
         for &(resource, soft, hard) in &self.rlimits {
             let lim = libc::rlimit {
                 rlim_cur: soft,

@@ -7,7 +7,8 @@ use std::sync::OnceLock;
 /// Which isolation the kernel allowed ([`crate::Sandbox::new`] picks the strongest that works).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// New user, mount, network, PID and IPC namespaces; read-only root, tmpfs scratch, own /proc.
+    /// New user, mount, network, PID and IPC namespaces; a read-only root of its own, tmpfs
+    /// scratch, own /proc.
     Full,
     /// The namespaces without the read-only root, scratch tmpfs and own /proc (mounts refused).
     NamespacesOnly,
@@ -102,13 +103,13 @@ fn describe(mode: Mode, id: &Identity) -> String {
     match mode {
         Mode::Full => format!("{user}no network, a read-only file system, its own PID namespace"),
         Mode::NamespacesOnly => format!(
-            "{user}no network and its own PID namespace, but the file system is writable wherever its user may write (mounts refused)"
+            "{user}no network and its own PID namespace, but the file system (host Unix sockets among it) is reachable and writable wherever its user may (mounts refused)"
         ),
         Mode::RootNamespaces => format!(
             "{user}no network, a read-only file system, its own PID namespace; the process limit is shared by every process of nobody (no user namespaces)"
         ),
         Mode::Minimal => format!(
-            "{user}rlimits and a new session only: the network is reachable, processes can be seen, {}",
+            "{user}rlimits and a new session only: the network is reachable, processes can be seen, memory is limited per process only, {}",
             match id.drop_from_root {
                 true => "the process limit is shared by every process of nobody",
                 false => "and process count is bounded only by the timeout",

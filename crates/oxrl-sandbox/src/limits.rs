@@ -7,9 +7,12 @@ use std::time::Duration;
 pub struct Limits {
     /// Wall clock, from spawn to exit; past it the run's process group is killed.
     pub timeout: Duration,
-    /// CPU seconds per process (RLIMIT_CPU, soft = hard: SIGKILL when used up).
+    /// CPU seconds per process, all its threads together (RLIMIT_CPU, soft = hard: SIGKILL
+    /// when used up).
     pub cpu_s: u64,
-    /// Address space per process in MiB (RLIMIT_AS).
+    /// Memory in MiB: the address space of each process (RLIMIT_AS), and the resident memory of
+    /// all the run's processes together (summed by the parent every 20 ms; over it, the run is
+    /// killed). The scratch tmpfs is bounded by `scratch_mb` on top.
     pub memory_mb: u64,
     /// Largest file a process may write, in MiB (RLIMIT_FSIZE).
     pub file_size_mb: u64,

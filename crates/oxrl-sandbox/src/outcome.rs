@@ -14,6 +14,8 @@ pub enum Exit {
     CpuLimit,
     /// It ran past the wall-clock timeout and was killed.
     Timeout,
+    /// Its processes together held more than `memory_mb` resident and it was killed.
+    MemoryLimit,
     /// It wrote more than `output_bytes` to stdout or stderr and was killed.
     OutputLimit,
     /// The run's supervisor was killed before it could report (only without a PID namespace).
@@ -82,6 +84,7 @@ impl RunOutcome {
                 limits.timeout.as_secs_f64()
             ),
             Exit::OutputLimit => format!("output over {} bytes", limits.output_bytes),
+            Exit::MemoryLimit => format!("memory limit ({} MiB for the run)", limits.memory_mb),
             Exit::Lost => "the run's supervisor was killed".to_string(),
         })
     }

@@ -1,19 +1,104 @@
 //! One sandboxed run: the command is spawned with a `pre_exec` hook ([`ChildSetup`]) that
 //! isolates it, then watched from the parent until it exits, times out or writes too much.
 
-use crate::child::{ChildSetup, STATUS_BYTES};
+use crate::child::{ChildSetup, RootEntry, STATUS_BYTES};
 use crate::isolation::{detect_mode, Identity, Mode};
-use crate::watch::{read_capped, status_pipe, wait_exit, Waited};
+use crate::watch::{read_capped, status_pipe, wait_exit, MemoryWatch, Waited};
 use crate::workdir::WorkDir;
 use crate::{resolve_program, Exit, Limits, RunOutcome, SandboxError, SANDBOX_PATH};
 use std::ffi::CString;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// The top-level host paths a run's root holds: programs, their libraries and `/etc`. `/proc` is
+/// bound only so the run may mount its own over it (the kernel wants a visible one first).
+const ROOT_PATHS: [&str; 9] = [
+    "usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc",
+];
+
+/// The device nodes a run's `/dev` holds, and its standard links.
+const DEV_NODES: [&str; 5] = ["null", "zero", "full", "random", "urandom"];
+const DEV_LINKS: [(&str, &str); 4] = [
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+];
+
+/// `p` without its leading `/`.
+fn rel(p: &Path) -> &Path {
+    p.strip_prefix("/").unwrap_or(p)
+}
+
+/// The entries of a run's root under `new_root`: [`ROOT_PATHS`] as they are on the host
+/// (bound or, for symlinks, recreated), `/dev`, and the directories on the way to `run_dir`.
+fn root_entries(new_root: &Path, run_dir: &Path) -> Result<Vec<RootEntry>, SandboxError> {
+    let cstr = |what, p: &Path| {
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|source| SandboxError::NulByte { what, source })
+    };
+    let mut entries = Vec::new();
+    for name in ROOT_PATHS {
+        let host = Path::new("/").join(name);
+        let dst = cstr("a root path", &new_root.join(name))?;
+        match std::fs::symlink_metadata(&host) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let target = std::fs::read_link(&host).map_err(|source| SandboxError::Io {
+                    what: "cannot read the link",
+                    path: host.clone(),
+                    source,
+                })?;
+                entries.push(RootEntry::Symlink {
+                    target: cstr("a root link", &target)?,
+                    dst,
+                });
+            }
+            Ok(m) if m.is_dir() => entries.push(RootEntry::Dir {
+                src: cstr("a root path", &host)?,
+                dst,
+            }),
+            _ => {}
+        }
+    }
+    let dev = new_root.join("dev");
+    entries.push(RootEntry::MkDir {
+        dst: cstr("/dev", &dev)?,
+    });
+    for name in DEV_NODES {
+        let host = Path::new("/dev").join(name);
+        if host.exists() {
+            entries.push(RootEntry::File {
+                src: cstr("a device", &host)?,
+                dst: cstr("a device", &dev.join(name))?,
+            });
+        }
+    }
+    for (name, target) in DEV_LINKS {
+        entries.push(RootEntry::Symlink {
+            target: cstr("a device link", Path::new(target))?,
+            dst: cstr("a device link", &dev.join(name))?,
+        });
+    }
+    let ancestors: Vec<&Path> = run_dir.ancestors().skip(1).collect();
+    for a in ancestors.into_iter().rev() {
+        if a != Path::new("/") {
+            entries.push(RootEntry::MkDir {
+                dst: cstr("the run directory", &new_root.join(rel(a)))?,
+            });
+        }
+    }
+    entries.push(RootEntry::MkDir {
+        dst: cstr("the run directory", &new_root.join(rel(run_dir)))?,
+    });
+    Ok(entries)
+}
 
 /// Runs untrusted commands under [`Limits`] with the strongest isolation the kernel allows.
 pub struct Sandbox {
@@ -83,6 +168,13 @@ impl Sandbox {
             uid_map: cstr("the uid map", format!("{0} {0} 1\n", id.uid))?,
             gid_map: cstr("the gid map", format!("{0} {0} 1\n", id.gid))?,
             scratch: cstr("the scratch path", dir.scratch.display().to_string())?,
+            new_root: cstr("the new root", dir.new_root().display().to_string())?,
+            root_entries: root_entries(&dir.new_root(), &dir.path)?,
+            run_dir: cstr("the run directory", dir.path.display().to_string())?,
+            run_dir_in_root: cstr(
+                "the run directory",
+                dir.new_root().join(rel(&dir.path)).display().to_string(),
+            )?,
             tmpfs_options: cstr(
                 "the tmpfs options",
                 format!(
@@ -157,7 +249,16 @@ impl Sandbox {
                 let _ = input.write_all(&bytes);
             });
         }
-        let waited = wait_exit(supervisor, start + self.limits.timeout, &over);
+        // With a PID namespace, the run's processes are found by it and their memory summed.
+        let mut memory = target
+            .filter(|_| self.mode.namespaces())
+            .and_then(|pid| MemoryWatch::new(pid, self.limits.memory_mb));
+        let waited = wait_exit(
+            supervisor,
+            start + self.limits.timeout,
+            &over,
+            memory.as_mut(),
+        );
         let kill_program = |pid: libc::pid_t| {
             // SAFETY: PID 1 of the run is alive (the supervisor has not reaped it: it reaps
             // only when PID 1 exits, which is what we are waiting for), so the pid and its
@@ -169,10 +270,10 @@ impl Sandbox {
         };
         match (&waited, target) {
             // Kill PID 1 (its namespace goes with it) so the supervisor can reap it and report.
-            (Waited::TimedOut | Waited::OverCap, Some(pid)) => {
+            (Waited::TimedOut | Waited::OverCap | Waited::OverMemory, Some(pid)) => {
                 kill_program(pid);
                 let grace = Instant::now() + Duration::from_secs(1);
-                wait_exit(supervisor, grace, &AtomicBool::new(false));
+                wait_exit(supervisor, grace, &AtomicBool::new(false), None);
             }
             // Without a PID namespace, what the program left running is in its process group.
             (Waited::Exited, Some(pid)) if !self.mode.namespaces() => {
@@ -206,6 +307,7 @@ impl Sandbox {
             (Waited::OverCap, _) => Exit::OutputLimit,
             (_, _) if over.load(Ordering::SeqCst) => Exit::OutputLimit,
             (Waited::TimedOut, _) => Exit::Timeout,
+            (Waited::OverMemory, _) => Exit::MemoryLimit,
             (Waited::Exited, Some((s, _))) if libc::WIFEXITED(s) => {
                 Exit::Code(libc::WEXITSTATUS(s))
             }
@@ -228,6 +330,7 @@ impl Sandbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn python(code: &str, stdin: &[u8]) -> RunOutcome {
         let sb = Sandbox::new(Limits::default()).unwrap();
@@ -282,6 +385,137 @@ mod tests {
             .run(&["no-such-program-oxrl".to_string()], &[], b"")
             .unwrap_err();
         assert!(e.to_string().contains("no-such-program-oxrl"), "{e}");
+    }
+
+    fn python_with(limits: Limits, code: &str) -> RunOutcome {
+        let sb = Sandbox::new(limits).unwrap();
+        let cmd = ["python3", "-I", "-B", "{dir}/main.py"].map(String::from);
+        sb.run(&cmd, &[("main.py", code.as_bytes())], b"").unwrap()
+    }
+
+    /// Forks `n` children that sleep, prints how many forks succeeded.
+    fn forks(n: usize) -> String {
+        format!(
+            "import os, time\npids = []\nfor _ in range({n}):\n    try:\n        pid = os.fork()\n    except OSError:\n        break\n    if pid == 0:\n        time.sleep(1.5)\n        os._exit(0)\n    pids.append(pid)\nprint(len(pids))\nfor p in pids:\n    os.waitpid(p, 0)"
+        )
+    }
+
+    #[test]
+    fn the_process_limit_is_per_run_not_per_user() {
+        let limits = Limits {
+            max_processes: 16,
+            ..Limits::default()
+        };
+        // Two runs at once, each forking 12 (13 processes of 16): neither eats the other's quota.
+        let runs: Vec<_> = (0..2)
+            .map(|_| {
+                let limits = limits.clone();
+                std::thread::spawn(move || python_with(limits, &forks(12)))
+            })
+            .collect();
+        for r in runs {
+            let o = r.join().unwrap();
+            assert_eq!(String::from_utf8_lossy(&o.stdout), "12\n", "{o:?}");
+        }
+        // Forty processes of the run's user on the host do not count against the run either.
+        let mut host = Command::new("sleep");
+        host.arg("5");
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            host.uid(65534).gid(65534);
+        }
+        let mut load: Vec<_> = (0..40).map(|_| host.spawn().unwrap()).collect();
+        let o = python_with(limits.clone(), &forks(12));
+        // Past the limit, forks fail inside the run and the run goes on.
+        let capped = python_with(limits, &forks(30));
+        for c in &mut load {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "12\n", "{o:?}");
+        let n: usize = String::from_utf8_lossy(&capped.stdout)
+            .trim()
+            .parse()
+            .unwrap();
+        assert!((10..16).contains(&n), "{capped:?}");
+    }
+
+    #[test]
+    fn memory_is_limited_per_run_not_per_process() {
+        let limits = Limits {
+            memory_mb: 256,
+            timeout: Duration::from_secs(5),
+            ..Limits::default()
+        };
+        // Eight processes of 128 MiB each: each is under RLIMIT_AS, together four times over.
+        let code = "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        b = bytearray(128 << 20)\n        time.sleep(4)\n        os._exit(0)\nfor _ in range(8):\n    os.wait()";
+        let start = Instant::now();
+        let o = python_with(limits.clone(), code);
+        assert_eq!(o.exit, Exit::MemoryLimit, "{o:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+        // One process of 128 MiB is fine.
+        let o = python_with(limits, "b = bytearray(128 << 20)\nprint(len(b) >> 20)");
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "128\n", "{o:?}");
+    }
+
+    #[test]
+    fn host_sockets_and_directories_are_out_of_reach() {
+        let id = std::process::id();
+        let path = std::env::temp_dir().join(format!("oxrl-sock-{id}"));
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let abstract_name = format!("oxrl-abstract-{id}");
+        let addr = <std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(abstract_name.as_bytes())
+            .unwrap();
+        let abstract_listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+        abstract_listener.set_nonblocking(true).unwrap();
+        let code = format!(
+            "import os, socket\nfor a in [{path:?}, '\\0{abstract_name}']:\n    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(a)\n        print('reached', repr(a))\n    except OSError as e:\n        print(type(e).__name__)\nprint(sorted(os.listdir('/')))\nprint(os.path.exists('/dev/shm'), os.path.exists('/run'), os.path.exists('/home'))",
+            path = path.display().to_string()
+        );
+        let o = python_with(Limits::default(), &code);
+        let _ = std::fs::remove_file(&path);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(!out.contains("reached"), "{out}");
+        assert!(listener.accept().is_err() && abstract_listener.accept().is_err());
+        let sb = Sandbox::new(Limits::default()).unwrap();
+        if sb.mode() == Mode::Full {
+            assert!(out.ends_with("False False False\n"), "{out}");
+            assert!(!out.contains("'home'") && !out.contains("'run'"), "{out}");
+        }
+    }
+
+    /// Every mode this machine allows runs a program, and the mount modes show it only the
+    /// run's own root (the fallbacks must not break where only they work).
+    #[test]
+    fn every_mode_runs_a_program_in_its_layout() {
+        let id = Identity::current();
+        let mut modes = vec![Mode::Full, Mode::NamespacesOnly, Mode::Minimal];
+        if id.drop_from_root {
+            modes.push(Mode::RootNamespaces);
+        }
+        let code =
+            "import os\nprint(os.path.exists('/tmp/oxrl-sandbox-probe'), os.path.exists('/home'))";
+        let cmd = ["python3", "-I", "-B", "-c", code].map(String::from);
+        std::fs::write("/tmp/oxrl-sandbox-probe", b"").ok();
+        for mode in modes {
+            let sb = Sandbox::with_mode(Limits::default(), mode, id);
+            let o = sb
+                .run(&cmd, &[], b"")
+                .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert_eq!(o.exit, Exit::Code(0), "{mode:?}: {o:?}");
+            if mode.mounts() {
+                assert_eq!(out, "False False\n", "{mode:?}");
+            }
+        }
+        std::fs::remove_file("/tmp/oxrl-sandbox-probe").ok();
     }
 
     /// The sandbox's cost per run: `true` sandboxed against `true` spawned plainly.

@@ -57,21 +57,108 @@ pub(crate) enum Waited {
     Exited,
     TimedOut,
     OverCap,
+    OverMemory,
 }
 
-/// Waits, without reaping, until `pid` exits, the deadline passes or the output cap is hit.
-pub(crate) fn wait_exit(pid: libc::pid_t, deadline: Instant, over: &AtomicBool) -> Waited {
+/// The memory of a whole run: the proportional set size of every process in its PID namespace,
+/// summed. RLIMIT_AS bounds each process; this bounds their sum.
+pub(crate) struct MemoryWatch {
+    /// `/proc/<pid>/ns/pid` of the run's PID 1, e.g. `pid:[4026532301]`.
+    namespace: std::path::PathBuf,
+    limit_bytes: u64,
+    page_bytes: u64,
+    next: Instant,
+}
+
+/// How often [`MemoryWatch`] sums the run's memory.
+pub(crate) const MEMORY_POLL: Duration = Duration::from_millis(20);
+
+impl MemoryWatch {
+    /// `None` when the run's namespace cannot be read (it has already exited).
+    pub(crate) fn new(pid1: libc::pid_t, limit_mb: u64) -> Option<Self> {
+        let namespace = std::fs::read_link(format!("/proc/{pid1}/ns/pid")).ok()?;
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        Some(Self {
+            namespace,
+            limit_bytes: limit_mb.saturating_mul(1 << 20),
+            page_bytes: u64::try_from(page).unwrap_or(4096),
+            next: Instant::now(),
+        })
+    }
+
+    /// Resident bytes of the run's processes now.
+    pub(crate) fn resident(&self) -> u64 {
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return 0;
+        };
+        let mut total = 0;
+        for e in entries.flatten() {
+            let name = e.file_name();
+            if !name.as_encoded_bytes().iter().all(u8::is_ascii_digit) {
+                continue;
+            }
+            let dir = e.path();
+            if std::fs::read_link(dir.join("ns/pid")).ok().as_ref() != Some(&self.namespace) {
+                continue;
+            }
+            // The proportional set size shares pages copied on write by a fork between the
+            // processes that share them; statm's resident count (in pages) is the fallback.
+            let pss_kb = std::fs::read_to_string(dir.join("smaps_rollup"))
+                .ok()
+                .and_then(|s| {
+                    let line = s.lines().find(|l| l.starts_with("Pss:"))?;
+                    line.split_whitespace().nth(1)?.parse::<u64>().ok()
+                });
+            total += match pss_kb {
+                Some(kb) => kb * 1024,
+                None => {
+                    let pages = std::fs::read_to_string(dir.join("statm"))
+                        .ok()
+                        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+                        .unwrap_or(0);
+                    pages * self.page_bytes
+                }
+            };
+        }
+        total
+    }
+
+    /// Whether the run is over its limit; sums at most every [`MEMORY_POLL`], and less often
+    /// when a large `/proc` makes a sum slow (at most 5% of the time spent summing).
+    fn over(&mut self) -> bool {
+        let now = Instant::now();
+        if now < self.next {
+            return false;
+        }
+        let over = self.resident() > self.limit_bytes;
+        self.next = now + MEMORY_POLL.max(now.elapsed() * 20);
+        over
+    }
+}
+
+/// Waits, without reaping, until `pid` exits, the deadline passes, the output cap is hit or the
+/// run's processes together hold more memory than allowed.
+pub(crate) fn wait_exit(
+    pid: libc::pid_t,
+    deadline: Instant,
+    over: &AtomicBool,
+    mut memory: Option<&mut MemoryWatch>,
+) -> Waited {
     // SAFETY: pidfd_open on our own child; the descriptor is closed below.
     let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as libc::c_int;
     let result = loop {
         if over.load(Ordering::SeqCst) {
             break Waited::OverCap;
         }
+        if memory.as_mut().is_some_and(|m| m.over()) {
+            break Waited::OverMemory;
+        }
         let now = Instant::now();
         if now >= deadline {
             break Waited::TimedOut;
         }
-        // Wake at least every 10 ms to notice the output cap.
+        // Wake at least every 10 ms to notice the output cap and the memory.
         let ms = (deadline - now).as_millis().clamp(1, 10) as libc::c_int;
         if pidfd >= 0 {
             let mut p = libc::pollfd {

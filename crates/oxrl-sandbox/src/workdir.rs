@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The run's directory: `<tmp>/oxrl-sandbox-<pid>-<n>/` with the program's files, and
-/// `scratch/` (owned by the run's user) as its working directory. Removed on drop.
+/// `scratch/` (owned by the run's user) as its working directory, and `.root/` where the run's
+/// root is assembled. Removed on drop.
 pub(crate) struct WorkDir {
     pub(crate) path: PathBuf,
     pub(crate) scratch: PathBuf,
@@ -39,6 +40,7 @@ impl WorkDir {
         std::fs::set_permissions(&dir.path, std::fs::Permissions::from_mode(0o755))
             .map_err(io_err("cannot set permissions of", &dir.path))?;
         std::fs::create_dir(&dir.scratch).map_err(io_err("cannot create", &dir.scratch))?;
+        std::fs::create_dir(dir.new_root()).map_err(io_err("cannot create", &dir.new_root()))?;
         std::fs::set_permissions(&dir.scratch, std::fs::Permissions::from_mode(0o700))
             .map_err(io_err("cannot set permissions of", &dir.scratch))?;
         if id.drop_from_root {
@@ -48,11 +50,17 @@ impl WorkDir {
         Ok(dir)
     }
 
+    /// The mount point of the run's new root (an empty directory on the host).
+    pub(crate) fn new_root(&self) -> PathBuf {
+        self.path.join(".root")
+    }
+
     pub(crate) fn write(&self, name: &str, bytes: &[u8]) -> Result<(), SandboxError> {
         let plain = !name.is_empty()
             && name != "."
             && name != ".."
             && name != "scratch"
+            && name != ".root"
             && !name.contains('/')
             && !name.contains('\0');
         if !plain {
