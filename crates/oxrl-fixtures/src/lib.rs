@@ -49,3 +49,35 @@ pub fn temp_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&d).expect("temp dir");
     d
 }
+
+/// The repository's root.
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A bundled demo's `grpo.toml` (`examples/<demo>/`) written to `path` with its policy and data
+/// paths made absolute and each `(from, to)` of `edits` replaced in its text (e.g.
+/// `("batch_size = 32", "batch_size = 2")`); returns `path`.
+pub fn demo_config(demo: &str, path: &std::path::Path, edits: &[(&str, &str)]) -> PathBuf {
+    let example = repo().join("examples").join(demo);
+    let absolute = |rel: &str| example.join(rel).display().to_string();
+    let mut text = std::fs::read_to_string(example.join("grpo.toml"))
+        .expect("the demo's grpo.toml")
+        .replace(
+            "path = \"policy\"",
+            &format!("path = \"{}\"", absolute("policy")),
+        )
+        .replace(
+            "\"data/prompts.jsonl\"",
+            &format!("\"{}\"", absolute("data/prompts.jsonl")),
+        );
+    for (from, to) in edits {
+        assert!(
+            text.contains(from),
+            "examples/{demo}/grpo.toml has no `{from}`"
+        );
+        text = text.replace(from, to);
+    }
+    std::fs::write(path, text).expect("writing the config");
+    path.to_path_buf()
+}

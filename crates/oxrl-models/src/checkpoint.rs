@@ -98,6 +98,20 @@ pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(io_err(path))
 }
 
+/// Saves `tensors` as a safetensors file at `path` and fsyncs it.
+pub fn save_safetensors_synced<S: AsRef<str> + Ord + std::fmt::Display>(
+    tensors: &HashMap<S, Tensor>,
+    path: &Path,
+) -> Result<()> {
+    candle_core::safetensors::save(tensors, path).map_err(|source| ModelError::Safetensors {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(path))
+}
+
 /// Writes a Hugging Face checkpoint directory atomically: everything goes into a temporary sibling
 /// directory, is fsynced, and only then renamed to `out`, so a crash never leaves a half
 /// checkpoint under the final name. An existing `out` is replaced.
@@ -162,16 +176,7 @@ pub fn save_checkpoint(
                 weight_map.insert(k.clone(), file.clone().into());
                 total_size += t.elem_count() * t.dtype().size_in_bytes();
             }
-            let path = tmp.join(&file);
-            candle_core::safetensors::save(&map, &path).map_err(|source| {
-                ModelError::Safetensors {
-                    path: path.clone(),
-                    source,
-                }
-            })?;
-            std::fs::File::open(&path)
-                .and_then(|f| f.sync_all())
-                .map_err(io_err(&path))?;
+            save_safetensors_synced(&map, &tmp.join(&file))?;
         }
         if n > 1 {
             let index = serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": weight_map});

@@ -7,7 +7,7 @@ use crate::data::DataCursor;
 use crate::optim::{AdamW, ParamState};
 use crate::update::{PolicyTrainer, Result, TrainError};
 use candle_core::Tensor;
-use oxrl_models::checkpoint::{write_synced, MAX_SHARD_BYTES};
+use oxrl_models::checkpoint::{save_safetensors_synced, write_synced, MAX_SHARD_BYTES};
 use oxrl_models::{ModelError, HOST};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -53,16 +53,7 @@ pub fn save(
                 tensors.insert(format!("{name}.{suffix}"), t);
             }
         }
-        let path = tmp.join(OPTIMIZER_STATE);
-        candle_core::safetensors::save(&tensors, &path).map_err(|source| {
-            ModelError::Safetensors {
-                path: path.clone(),
-                source,
-            }
-        })?;
-        std::fs::File::open(&path)
-            .and_then(|f| f.sync_all())
-            .map_err(io(&path))?;
+        save_safetensors_synced(&tensors, &tmp.join(OPTIMIZER_STATE))?;
         let json = serde_json::to_string_pretty(state).unwrap_or_default();
         write_synced(&tmp.join(TRAINER_STATE), json.as_bytes())
     };

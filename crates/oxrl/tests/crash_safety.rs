@@ -11,29 +11,23 @@ use std::time::{Duration, Instant};
 
 const STEPS: u64 = 6;
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
 /// The bundled demo, 2 prompts a step, a checkpoint after every step.
 fn demo_config(dir: &Path) -> PathBuf {
-    let text = std::fs::read_to_string(repo().join("examples/arithmetic/grpo.toml")).unwrap();
-    let policy = repo().join("examples/arithmetic/policy");
-    let data = repo().join("examples/arithmetic/data/prompts.jsonl");
-    let text = text
-        .replace("path = \"policy\"", &format!("path = \"{}\"", s(&policy)))
-        .replace("\"data/prompts.jsonl\"", &format!("\"{}\"", s(&data)))
-        .replace("batch_size = 32", "batch_size = 2")
-        .replace("max_steps = 200", &format!("max_steps = {STEPS}"))
-        .replace("save_every = 20", "save_every = 1")
-        .replace("eval_every = 20", "eval_every = 2");
-    let path = dir.join("grpo.toml");
-    std::fs::write(&path, text).unwrap();
-    path
+    let steps = format!("max_steps = {STEPS}");
+    oxrl_fixtures::demo_config(
+        "arithmetic",
+        &dir.join("grpo.toml"),
+        &[
+            ("batch_size = 32", "batch_size = 2"),
+            ("max_steps = 200", &steps),
+            ("save_every = 20", "save_every = 1"),
+            ("eval_every = 20", "eval_every = 2"),
+        ],
+    )
 }
 
 fn train(config: &Path, out: &Path, extra: &[&str]) -> Command {

@@ -37,28 +37,18 @@ fn closed_pipe() -> std::io::PipeWriter {
 
 /// The bundled demo's config with absolute paths, `batch` prompts a step, `steps` steps.
 fn demo_config(dir: &Path, batch: usize, steps: usize, save_every: usize) -> PathBuf {
-    let text = std::fs::read_to_string(repo().join("examples/arithmetic/grpo.toml")).unwrap();
-    let text = text
-        .replace(
-            "path = \"policy\"",
-            &format!(
-                "path = \"{}\"",
-                s(&repo().join("examples/arithmetic/policy"))
-            ),
-        )
-        .replace(
-            "\"data/prompts.jsonl\"",
-            &format!(
-                "\"{}\"",
-                s(&repo().join("examples/arithmetic/data/prompts.jsonl"))
-            ),
-        )
-        .replace("batch_size = 32", &format!("batch_size = {batch}"))
-        .replace("max_steps = 200", &format!("max_steps = {steps}"))
-        .replace("save_every = 20", &format!("save_every = {save_every}"));
-    let path = dir.join("grpo.toml");
-    std::fs::write(&path, text).unwrap();
-    path
+    let batch = format!("batch_size = {batch}");
+    let steps = format!("max_steps = {steps}");
+    let save_every = format!("save_every = {save_every}");
+    oxrl_fixtures::demo_config(
+        "arithmetic",
+        &dir.join("grpo.toml"),
+        &[
+            ("batch_size = 32", &batch),
+            ("max_steps = 200", &steps),
+            ("save_every = 20", &save_every),
+        ],
+    )
 }
 
 fn assert_no_panic(what: &str, status: ExitStatus, err: &str) {

@@ -108,18 +108,19 @@ fn replay_matches_the_grpo_step_fixture() {
 }
 
 fn demo_config(dir: &Path, batch: usize, steps: usize) -> PathBuf {
-    let text = std::fs::read_to_string(repo().join("examples/arithmetic/grpo.toml")).unwrap();
-    let policy = repo().join("examples/arithmetic/policy");
-    let data = repo().join("examples/arithmetic/data/prompts.jsonl");
-    let text = text
-        .replace("path = \"policy\"", &format!("path = \"{}\"", s(&policy)))
-        .replace("\"data/prompts.jsonl\"", &format!("\"{}\"", s(&data)))
-        .replace("batch_size = 32", &format!("batch_size = {batch}"))
-        .replace("max_steps = 200", &format!("max_steps = {steps}"))
-        .replace("save_every = 20", "save_every = 2");
-    let path = dir.join("grpo.toml");
-    std::fs::write(&path, text).unwrap();
-    path
+    let (batch, steps) = (
+        format!("batch_size = {batch}"),
+        format!("max_steps = {steps}"),
+    );
+    oxrl_fixtures::demo_config(
+        "arithmetic",
+        &dir.join("grpo.toml"),
+        &[
+            ("batch_size = 32", &batch),
+            ("max_steps = 200", &steps),
+            ("save_every = 20", "save_every = 2"),
+        ],
+    )
 }
 
 /// Run 4 steps, or run 2, stop, and resume for 2 more: identical weights and metrics.

@@ -37,19 +37,7 @@ fn python() -> PathBuf {
 
 /// One training step of a bundled demo, so the checkpoint is one oxrl wrote after an update.
 fn trained_checkpoint(demo: &str, out: &Path) -> PathBuf {
-    let example = repo().join("examples").join(demo);
-    let text = std::fs::read_to_string(example.join("grpo.toml"))
-        .unwrap()
-        .replace(
-            "path = \"policy\"",
-            &format!("path = \"{}\"", s(&example.join("policy"))),
-        )
-        .replace(
-            "\"data/prompts.jsonl\"",
-            &format!("\"{}\"", s(&example.join("data/prompts.jsonl"))),
-        );
-    let config = out.with_extension("toml");
-    std::fs::write(&config, text).unwrap();
+    let config = oxrl_fixtures::demo_config(demo, &out.with_extension("toml"), &[]);
     let r = Command::new(env!("CARGO_BIN_EXE_oxrl"))
         .args(["train", "--config", s(&config), "--output-dir", s(out)])
         .args(["--max-steps", "1"])
