@@ -122,6 +122,9 @@ pub enum EngineError {
          infinity): its weights hold NaN or infinite values, or the dtype overflowed"
     )]
     NonFiniteLogits { prompt: usize, position: usize },
+    /// A rollout server that could not be reached or answered with an error.
+    #[error("{url}: {message}")]
+    Remote { url: String, message: String },
     #[error(transparent)]
     Model(#[from] oxrl_models::ModelError),
     #[error(transparent)]
@@ -153,6 +156,12 @@ pub trait Engine {
         images: &PromptImages,
         params: &SamplingParams,
     ) -> Result<Vec<Vec<Completion>>>;
+
+    /// Measurements of the engine's own since the last call (per-server latency and errors of
+    /// a remote engine), as metrics keys; none by default.
+    fn take_metrics(&mut self) -> std::collections::BTreeMap<String, f64> {
+        Default::default()
+    }
 
     /// [`Engine::generate_with_images`] for text prompts.
     fn generate(

@@ -6,6 +6,7 @@
 pub mod engine;
 pub mod local;
 pub mod sampler;
+pub mod vllm;
 
 pub use engine::{
     Completion, Engine, EngineError, FinishReason, PromptImage, PromptImages, SamplingParams,
@@ -13,3 +14,4 @@ pub use engine::{
 };
 pub use local::LocalEngine;
 pub use sampler::{SamplerConfig, SamplerScratch};
+pub use vllm::{VllmEngine, VllmSpec, WeightSync};

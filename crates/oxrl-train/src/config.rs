@@ -21,6 +21,7 @@ use oxrl_algo::{
     AdvantageConfig, AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, PolicyLossConfig,
 };
 use oxrl_models::DeviceSpec;
+use oxrl_rollout::{VllmSpec, WeightSync};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +46,8 @@ pub struct RolloutConfig {
     pub top_k: usize,
     pub min_p: f64,
     pub stop: Vec<String>,
+    /// `None`: the local engine; `Some`: vLLM servers.
+    pub vllm: Option<oxrl_rollout::VllmSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -134,6 +137,47 @@ fn entry<T>(
     from_name(&given.value::<String>(dotted)).map_err(|e| given.bad(dotted, e))
 }
 
+/// The vLLM servers of `[rollout] backend = "vllm"`: at least one URL; `sync = "none"` only
+/// with a staleness allowance (its samples never leave the start weights).
+fn vllm_spec(given: &Given, base: &Path) -> Result<VllmSpec, ConfigError> {
+    let server_urls: Vec<String> = given.value("rollout.server_urls");
+    if server_urls.is_empty() {
+        return Err(given.bad(
+            "rollout.server_urls",
+            "backend = \"vllm\" needs at least one server URL (http://host:port)",
+        ));
+    }
+    if let Some(bad) = server_urls
+        .iter()
+        .find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+    {
+        return Err(given.bad(
+            "rollout.server_urls",
+            format!("expected http://host:port, got \"{bad}\""),
+        ));
+    }
+    let sync_name: String = given.value("rollout.sync");
+    let sync = WeightSync::from_name(&sync_name)
+        .ok_or_else(|| given.bad("rollout.sync", format!("unknown value \"{sync_name}\"")))?;
+    if sync == WeightSync::None && given.value::<u64>("trainer.max_staleness") == 0 {
+        return Err(given.bad(
+            "rollout.sync",
+            "sync = \"none\" keeps sampling from the start weights, so every later sample is \
+             stale: set [trainer] max_staleness to the lag you accept",
+        ));
+    }
+    Ok(VllmSpec {
+        server_urls,
+        sync,
+        sync_dir: given
+            .get::<String>("rollout.sync_dir")
+            .map(|d| join_clean(base, &d)),
+        timeout: std::time::Duration::from_secs_f64(given.value("rollout.request_timeout_s")),
+        max_retries: given.value("rollout.max_retries"),
+        backoff: std::time::Duration::from_millis(500),
+    })
+}
+
 /// The value a checked key names in a `(name, meaning, value)` table of the catalogue.
 fn choice<T: Copy>(
     given: &Given,
@@ -189,6 +233,18 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         shuffle: given.value("data.shuffle"),
     };
 
+    let stem = given
+        .path
+        .file_stem()
+        .map_or("run".into(), |s| s.to_string_lossy().to_string());
+    let output_dir = match given.get::<String>("trainer.output_dir") {
+        Some(d) => join_clean(&base, &d),
+        None => PathBuf::from("runs").join(&stem),
+    };
+    let vllm = match given.value::<String>("rollout.backend").as_str() {
+        "vllm" => Some(vllm_spec(given, &base)?),
+        _ => None,
+    };
     let rollout = RolloutConfig {
         n_samples_per_prompt: given.value("rollout.n_samples_per_prompt"),
         max_new_tokens: given.value("rollout.max_new_tokens"),
@@ -197,6 +253,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         top_k: given.value("rollout.top_k"),
         min_p: given.value("rollout.min_p"),
         stop: given.value("rollout.stop"),
+        vllm,
     };
 
     let timeout_s: f64 = given.value("reward.timeout_s");
@@ -311,10 +368,6 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         .value::<String>("model.device")
         .parse::<DeviceSpec>()
         .map_err(|e| given.bad("model.device", e))?;
-    let stem = given
-        .path
-        .file_stem()
-        .map_or("run".into(), |s| s.to_string_lossy().to_string());
     Ok(RunConfig {
         source: given.path.to_path_buf(),
         model_path: local_or_hub(model_path),
@@ -333,10 +386,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         save_every: given.value("trainer.save_every"),
         eval_every: given.value("trainer.eval_every"),
         seed: given.value("trainer.seed"),
-        output_dir: match given.get::<String>("trainer.output_dir") {
-            Some(d) => join_clean(&base, &d),
-            None => PathBuf::from("runs").join(stem),
-        },
+        output_dir,
         prometheus_port: given.get("logging.prometheus_port"),
         prometheus_host: given.value("logging.prometheus_host"),
     })

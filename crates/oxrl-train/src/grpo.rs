@@ -22,7 +22,8 @@ use oxrl_reward::{
     RewardSet, WeightedReward,
 };
 use oxrl_rollout::{
-    Completion, Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams, WeightVersion,
+    Completion, Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams, VllmEngine,
+    WeightVersion,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -232,11 +233,19 @@ impl GrpoRun {
         };
         trainer.weight_version = WeightVersion(step);
         let eos = eos_token_ids(&model_dir, Some(&tokenizer))?;
-        let mut engine: Box<dyn Engine> = Box::new(LocalEngine::new(
-            Arc::from(trainer.policy.detached()),
-            Some(tokenizer.clone()),
-            eos,
-        ));
+        let mut engine: Box<dyn Engine> = match &cfg.rollout.vllm {
+            None => Box::new(LocalEngine::new(
+                Arc::from(trainer.policy.detached()),
+                Some(tokenizer.clone()),
+                eos,
+            )),
+            Some(spec) => Box::new(VllmEngine::connect(
+                spec.clone(),
+                &cfg.output_dir.join("sync-weights"),
+                Some(tokenizer.clone()),
+                eos,
+            )?),
+        };
         engine.sync_weights(trainer.policy.as_ref(), trainer.weight_version)?;
         let order = DataOrder::new(prompts.len(), cfg.seed, cfg.data.shuffle, cursor);
         let metrics = MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), step)?;
@@ -350,13 +359,15 @@ impl GrpoRun {
         if self.save_rollouts {
             self.write_rollouts(&trajs)?;
         }
-        Ok(step_metrics(
+        let mut m = step_metrics(
             &rewards,
             &trajs,
             learned,
             time,
             step_start.elapsed().as_secs_f64(),
-        ))
+        );
+        m.extend(self.engine.take_metrics());
+        Ok(m)
     }
 
     /// The step's sampling parameters: the run's `[rollout]` settings, and a seed derived from

@@ -133,7 +133,7 @@ pub struct Exposed {
 }
 
 /// Families keyed by a name after a `/`: (key prefix, family, label name, help).
-const LABELLED: [(&str, &str, &str, &str); 5] = [
+const LABELLED: [(&str, &str, &str, &str); 7] = [
     (
         "time/",
         "oxrl_phase_seconds",
@@ -163,6 +163,18 @@ const LABELLED: [(&str, &str, &str, &str); 5] = [
         "oxrl_val_reward",
         "function",
         "Mean validation reward of each reward function",
+    ),
+    (
+        "server_latency_s/",
+        "oxrl_server_latency_seconds",
+        "server",
+        "Mean seconds per answered request of each rollout server in the last step",
+    ),
+    (
+        "server_errors/",
+        "oxrl_server_errors",
+        "server",
+        "Failed requests (retried or not) to each rollout server in the last step",
     ),
 ];
 

@@ -1,0 +1,527 @@
+//! Rollouts on vLLM servers (`[rollout] backend = "vllm"`): token ids in, sampled token ids and
+//! their log-probs out, over vLLM's `POST /inference/v1/generate` (servers started with
+//! `--enable-scale-out --logprobs-mode processed_logprobs`, so the log-probs are of the
+//! temperature-scaled distribution, as the local engine's are).
+//!
+//! Each prompt's `n` samples go to one server in one request (a GRPO group shares its prefill
+//! and prefix cache); prompts are spread over the servers round-robin and sent concurrently.
+//! A transport error or a 5xx is retried with exponential backoff; anything else fails the
+//! step with the server's URL and answer.
+//!
+//! Weights reach the servers through a directory they can read (`sync = "disk"`): the policy is
+//! saved there as a Hugging Face checkpoint, then each server is paused (`/pause?mode=keep`),
+//! reloads (`/collective_rpc` `reload_weights`), resumes, and takes the new version
+//! (`/update_weight_version`), which it stamps on every later sample (`weight_versions`). Those
+//! stamps are what the completions carry, so the trainer sees what really sampled them.
+//! These control routes exist only on servers started with `VLLM_SERVER_DEV_MODE=1`.
+
+use crate::engine::{
+    Completion, Engine, EngineError, FinishReason, PromptImages, Result, SamplingParams,
+    WeightVersion,
+};
+use oxrl_models::checkpoint::{save_safetensors_synced, MAX_SHARD_BYTES};
+use oxrl_models::{PolicyModel, Tokenizer};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How the servers get the trainer's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightSync {
+    /// Save to `sync_dir`, then each server reloads from it.
+    Disk,
+    /// Never: the servers keep the weights they started with (benchmarks, and a test that
+    /// shows the log-prob gap of an unsynced engine). Samples stay at their start version.
+    None,
+}
+
+impl WeightSync {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "disk" => Some(Self::Disk),
+            "none" => Some(Self::None),
+            _ => None,
+        }
+    }
+}
+
+/// The settings of a vLLM engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmSpec {
+    /// Base URLs (`http://host:port`), one per server.
+    pub server_urls: Vec<String>,
+    pub sync: WeightSync,
+    /// Where `sync = "disk"` saves the policy; every server must be able to read it. `None`:
+    /// the directory the caller gives [`VllmEngine::connect`] (a run's output directory).
+    pub sync_dir: Option<PathBuf>,
+    /// Per request, connect to last byte (a generation request of a whole group included).
+    pub timeout: Duration,
+    pub max_retries: u32,
+    /// Wait before the first retry; doubled for each further one.
+    pub backoff: Duration,
+}
+
+pub struct VllmEngine {
+    spec: VllmSpec,
+    /// `spec.sync_dir` or the default, absolute: the servers resolve it from their own cwd.
+    sync_dir: PathBuf,
+    agent: ureq::Agent,
+    tokenizer: Option<Arc<Tokenizer>>,
+    eos_token_ids: Vec<u32>,
+    version: WeightVersion,
+    /// Per server: requests, seconds, failed attempts (reset by `take_stats`).
+    stats: std::sync::Mutex<Vec<(u64, f64, u64)>>,
+}
+
+/// Why one attempt failed, and whether another may succeed.
+struct Failure {
+    message: String,
+    retry: bool,
+}
+
+impl VllmEngine {
+    /// Connects to every server: each must answer `GET /health`, or the error names it.
+    /// `default_sync_dir` is where weights go when the spec names no `sync_dir`.
+    pub fn connect(
+        spec: VllmSpec,
+        default_sync_dir: &std::path::Path,
+        tokenizer: Option<Arc<Tokenizer>>,
+        eos_token_ids: Vec<u32>,
+    ) -> Result<Self> {
+        if spec.server_urls.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "backend = \"vllm\" needs at least one URL in server_urls".into(),
+            ));
+        }
+        let agent = ureq::AgentBuilder::new().timeout(spec.timeout).build();
+        for url in &spec.server_urls {
+            let health = format!("{}/health", url.trim_end_matches('/'));
+            agent
+                .get(&health)
+                .timeout(Duration::from_secs(10))
+                .call()
+                .map_err(|e| EngineError::Remote {
+                    url: health.clone(),
+                    message: format!("the server is not answering its health check: {e}"),
+                })?;
+        }
+        let n = spec.server_urls.len();
+        let chosen = spec.sync_dir.as_deref().unwrap_or(default_sync_dir);
+        let sync_dir = std::path::absolute(chosen).map_err(|e| {
+            EngineError::InvalidRequest(format!("sync_dir {}: {e}", chosen.display()))
+        })?;
+        Ok(Self {
+            spec,
+            sync_dir,
+            agent,
+            tokenizer,
+            eos_token_ids,
+            version: WeightVersion::default(),
+            stats: std::sync::Mutex::new(vec![(0, 0.0, 0); n]),
+        })
+    }
+
+    fn attempt(&self, url: &str, body: Option<&Value>) -> std::result::Result<Value, Failure> {
+        let request = self.agent.post(url);
+        let sent = match body {
+            Some(b) => request.send_json(b),
+            None => request.call(),
+        };
+        let response = match sent {
+            Ok(r) => r,
+            Err(ureq::Error::Status(code, r)) => {
+                let text = r.into_string().unwrap_or_default();
+                return Err(Failure {
+                    message: format!("HTTP status {code}: {}", text.trim()),
+                    retry: code >= 500 || code == 408 || code == 429,
+                });
+            }
+            Err(ureq::Error::Transport(t)) => {
+                return Err(Failure {
+                    message: t.to_string(),
+                    retry: true,
+                })
+            }
+        };
+        let text = response.into_string().map_err(|e| Failure {
+            message: format!("reading the answer: {e}"),
+            retry: true,
+        })?;
+        serde_json::from_str(&text).map_err(|e| Failure {
+            message: format!("the answer is not JSON ({e}): {}", shorten(&text)),
+            retry: false,
+        })
+    }
+
+    /// `POST <server><path>` with retries; the error names the URL and the last failure.
+    fn post(&self, server: usize, path: &str, body: Option<&Value>) -> Result<Value> {
+        let url = format!(
+            "{}{path}",
+            self.spec.server_urls[server].trim_end_matches('/')
+        );
+        let mut attempt = 0;
+        loop {
+            let start = Instant::now();
+            let result = self.attempt(&url, body);
+            let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+            match result {
+                Ok(v) => {
+                    stats[server].0 += 1;
+                    stats[server].1 += start.elapsed().as_secs_f64();
+                    return Ok(v);
+                }
+                Err(f) => {
+                    stats[server].2 += 1;
+                    drop(stats);
+                    if !(f.retry && attempt < self.spec.max_retries) {
+                        let tries = attempt + 1;
+                        return Err(EngineError::Remote {
+                            url,
+                            message: format!("{} (after {tries} attempts)", f.message),
+                        });
+                    }
+                    std::thread::sleep(self.spec.backoff * 2u32.saturating_pow(attempt));
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    /// The body of one prompt's generation request.
+    fn request_body(&self, prompt: &[u32], index: usize, params: &SamplingParams) -> Value {
+        let s = &params.sampler;
+        let mut stop = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stop.extend(&self.eos_token_ids);
+        }
+        json!({
+            "token_ids": prompt,
+            "sampling_params": {
+                "n": params.n,
+                "max_tokens": params.max_new_tokens,
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "top_k": s.top_k,
+                "min_p": s.min_p,
+                // One stream per prompt, reproducible for a given seed and prompt order.
+                "seed": request_seed(params.seed, index),
+                "stop_token_ids": stop,
+                "ignore_eos": params.ignore_eos,
+                "logprobs": 0,
+                "detokenize": false,
+                "skip_special_tokens": false,
+            },
+        })
+    }
+
+    /// The `n` completions in a server's answer.
+    fn completions(&self, answer: &Value, params: &SamplingParams) -> Result<Vec<Completion>> {
+        let bad = |m: String| EngineError::InvalidRequest(format!("vLLM's answer: {m}"));
+        let choices = answer
+            .get("choices")
+            .and_then(Value::as_array)
+            .ok_or_else(|| {
+                bad(format!(
+                    "no `choices` list in {}",
+                    shorten(&answer.to_string())
+                ))
+            })?;
+        if choices.len() != params.n {
+            return Err(bad(format!(
+                "{} choices for n = {}",
+                choices.len(),
+                params.n
+            )));
+        }
+        let mut out = Vec::with_capacity(choices.len());
+        for c in choices {
+            let ids: Vec<u32> = c
+                .get("token_ids")
+                .and_then(Value::as_array)
+                .ok_or_else(|| bad("a choice without `token_ids`".into()))?
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<_>>()
+                .ok_or_else(|| bad("a token id that is not a u32".into()))?;
+            let logprobs: Vec<f32> = c
+                .pointer("/logprobs/content")
+                .and_then(Value::as_array)
+                .ok_or_else(|| bad("a choice without `logprobs.content`".into()))?
+                .iter()
+                .map(|l| l.get("logprob").and_then(Value::as_f64).map(|x| x as f32))
+                .collect::<Option<_>>()
+                .ok_or_else(|| bad("a log-prob that is not a number".into()))?;
+            if logprobs.len() != ids.len() {
+                return Err(bad(format!(
+                    "{} log-probs for {} tokens",
+                    logprobs.len(),
+                    ids.len()
+                )));
+            }
+            let finish_reason = match c.get("finish_reason").and_then(Value::as_str) {
+                Some("length") => FinishReason::Length,
+                _ => FinishReason::Stop,
+            };
+            let text = match &self.tokenizer {
+                Some(t) => Some(t.decode(&ids, true)?),
+                None => None,
+            };
+            out.push(Completion {
+                response_ids: ids,
+                logprobs,
+                finish_reason,
+                text,
+                weight_version: sampled_version(c).unwrap_or(self.version),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Every server: pause (keeping in-flight requests), reload from `dir`, resume, take the
+    /// version.
+    fn reload_all(&self, dir: &std::path::Path, version: WeightVersion) -> Result<()> {
+        let weights_path = dir.display().to_string();
+        for server in 0..self.spec.server_urls.len() {
+            self.post(server, "/pause?mode=keep", None)?;
+            let rpc = json!({"method": "reload_weights", "kwargs": {"weights_path": weights_path}});
+            let reloaded = self.post(server, "/collective_rpc", Some(&rpc));
+            // Resume even when the reload failed, so the server is not left paused.
+            self.post(server, "/resume", None)?;
+            reloaded?;
+            let named = json!({"new_version": version_name(version)});
+            self.post(server, "/update_weight_version", Some(&named))?;
+        }
+        Ok(())
+    }
+}
+
+/// vLLM's in-place reload does not re-tie a tied `lm_head` to the embedding it reloads (it
+/// logs "ParallelLMHead: Failed to load weights" and keeps the old head), so a tied policy's
+/// head goes to the servers as a tensor of its own, in a file beside the model's.
+fn untied_lm_head(policy: &dyn PolicyModel, dir: &std::path::Path) -> oxrl_models::Result<()> {
+    let params = policy.named_parameters();
+    if params.iter().any(|(name, _)| name == "lm_head.weight") {
+        return Ok(());
+    }
+    let Some((_, embed)) = params
+        .into_iter()
+        .find(|(name, _)| name.ends_with("embed_tokens.weight"))
+    else {
+        return Ok(());
+    };
+    let head = std::collections::HashMap::from([("lm_head.weight".to_string(), embed)]);
+    save_safetensors_synced(&head, &dir.join("lm_head.safetensors"))
+}
+
+/// The version name oxrl gives vLLM (`v3`), and back.
+fn version_name(v: WeightVersion) -> String {
+    v.to_string()
+}
+
+/// The oldest weight version that sampled any token of a choice (`weight_versions`), if the
+/// server reported them in oxrl's names.
+fn sampled_version(choice: &Value) -> Option<WeightVersion> {
+    choice
+        .get("weight_versions")?
+        .as_array()?
+        .iter()
+        .filter_map(|span| {
+            span.get("version")?
+                .as_str()?
+                .strip_prefix('v')?
+                .parse()
+                .ok()
+        })
+        .min()
+        .map(WeightVersion)
+}
+
+/// The seed of prompt `index`'s request: vLLM takes a signed 64-bit seed.
+fn request_seed(seed: u64, index: usize) -> i64 {
+    (seed.wrapping_add(index as u64) & (i64::MAX as u64)) as i64
+}
+
+fn shorten(s: &str) -> String {
+    match s.char_indices().nth(300) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+impl Engine for VllmEngine {
+    fn weight_version(&self) -> WeightVersion {
+        self.version
+    }
+
+    /// Per server since the last call: `server_latency_s/<url>` (mean seconds per answered
+    /// request) and `server_errors/<url>` (failed attempts, retried or not).
+    fn take_metrics(&mut self) -> std::collections::BTreeMap<String, f64> {
+        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = std::collections::BTreeMap::new();
+        for (url, s) in self.spec.server_urls.iter().zip(stats.iter_mut()) {
+            let (answered, seconds, failed) = std::mem::take(s);
+            if answered > 0 {
+                m.insert(format!("server_latency_s/{url}"), seconds / answered as f64);
+            }
+            m.insert(format!("server_errors/{url}"), failed as f64);
+        }
+        m
+    }
+
+    fn sync_weights(&mut self, policy: &dyn PolicyModel, version: WeightVersion) -> Result<()> {
+        if version < self.version {
+            return Err(EngineError::VersionBackwards {
+                current: self.version,
+                to: version,
+            });
+        }
+        if self.spec.sync == WeightSync::None {
+            return Ok(());
+        }
+        policy.save_with(&self.sync_dir, None, MAX_SHARD_BYTES, &|dir| {
+            untied_lm_head(policy, dir)
+        })?;
+        self.reload_all(&self.sync_dir, version)?;
+        self.version = version;
+        Ok(())
+    }
+
+    fn generate_with_images(
+        &mut self,
+        prompts: &[Vec<u32>],
+        images: &PromptImages,
+        params: &SamplingParams,
+    ) -> Result<Vec<Vec<Completion>>> {
+        if images.iter().any(|i| !i.is_empty()) {
+            return Err(EngineError::InvalidRequest(
+                "the vLLM backend takes text prompts only so far; image prompts need \
+                 backend = \"local\""
+                    .into(),
+            ));
+        }
+        if !params.stop_strings.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "the vLLM backend matches stop token ids, not stop strings: drop [rollout] stop \
+                 or use backend = \"local\""
+                    .into(),
+            ));
+        }
+        let servers = self.spec.server_urls.len();
+        let this = &*self;
+        let answers: Vec<Result<Vec<Completion>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, prompt)| {
+                    scope.spawn(move || {
+                        let body = this.request_body(prompt, i, params);
+                        let answer =
+                            this.post(i % servers, "/inference/v1/generate", Some(&body))?;
+                        this.completions(&answer, params)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(EngineError::InvalidRequest(
+                            "a request thread panicked".into(),
+                        ))
+                    })
+                })
+                .collect()
+        });
+        answers.into_iter().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SamplerConfig;
+
+    fn engine() -> VllmEngine {
+        VllmEngine {
+            spec: VllmSpec {
+                server_urls: vec!["http://a".into(), "http://b".into()],
+                sync: WeightSync::Disk,
+                sync_dir: None,
+                timeout: Duration::from_secs(1),
+                max_retries: 0,
+                backoff: Duration::from_millis(1),
+            },
+            sync_dir: PathBuf::from("/tmp/x"),
+            agent: ureq::agent(),
+            tokenizer: None,
+            eos_token_ids: vec![7],
+            version: WeightVersion(2),
+            stats: std::sync::Mutex::new(vec![(0, 0.0, 0); 2]),
+        }
+    }
+
+    #[test]
+    fn a_request_carries_every_sampling_setting_and_the_eos_ids() {
+        let params = SamplingParams {
+            n: 4,
+            max_new_tokens: 9,
+            sampler: SamplerConfig {
+                temperature: 0.7,
+                top_k: 5,
+                top_p: 0.9,
+                min_p: 0.05,
+            },
+            seed: 11,
+            stop_token_ids: vec![3],
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+        };
+        let body = engine().request_body(&[1, 2], 2, &params);
+        let sp = &body["sampling_params"];
+        assert_eq!(body["token_ids"], json!([1, 2]));
+        assert_eq!(sp["n"], 4);
+        assert_eq!(sp["max_tokens"], 9);
+        assert_eq!(sp["top_k"], 5);
+        assert_eq!(sp["seed"], 13);
+        assert_eq!(sp["stop_token_ids"], json!([3, 7]));
+        assert_eq!(sp["logprobs"], 0);
+        assert!((sp["temperature"].as_f64().unwrap() - 0.7).abs() < 1e-6);
+    }
+
+    #[test]
+    fn answers_become_completions_stamped_with_the_sampling_version() {
+        let answer = json!({"choices": [
+            {"index": 0, "finish_reason": "stop", "token_ids": [5, 7],
+             "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 7, "logprob": -1.5}]},
+             "weight_versions": [{"version": "v3", "start": 0, "end": 2}]},
+            {"index": 1, "finish_reason": "length", "token_ids": [6],
+             "logprobs": {"content": [{"token_id": 6, "logprob": -2.0}]},
+             "weight_versions": null}
+        ]});
+        let params = SamplingParams {
+            n: 2,
+            ..SamplingParams::default()
+        };
+        let c = engine().completions(&answer, &params).unwrap();
+        assert_eq!(c[0].response_ids, vec![5, 7]);
+        assert_eq!(c[0].logprobs, vec![-0.5, -1.5]);
+        assert_eq!(c[0].finish_reason, FinishReason::Stop);
+        assert_eq!(c[0].weight_version, WeightVersion(3));
+        assert_eq!(c[1].finish_reason, FinishReason::Length);
+        assert_eq!(
+            c[1].weight_version,
+            WeightVersion(2),
+            "no stamp: the engine's version"
+        );
+        let short = json!({"choices": [answer["choices"][0].clone()]});
+        assert!(engine().completions(&short, &params).is_err());
+    }
+
+    #[test]
+    fn a_choice_spanning_two_versions_is_as_old_as_its_oldest_token() {
+        let c = json!({"weight_versions": [{"version": "v4"}, {"version": "v3"}]});
+        assert_eq!(sampled_version(&c), Some(WeightVersion(3)));
+        assert_eq!(request_seed(u64::MAX, 1), 0);
+    }
+}
