@@ -1,0 +1,178 @@
+//! The vLLM engine against a small HTTP server that misbehaves on purpose: a 5xx is retried and
+//! the request then succeeds; malformed JSON, a hung server and a server that is not there
+//! are clear errors naming the URL, after the retries they allow and never later than the
+//! timeouts say.
+
+use oxrl_rollout::{Engine, SamplingParams, VllmEngine, VllmSpec, WeightSync};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How the test server answers a generation request.
+#[derive(Clone, Copy)]
+enum Behaviour {
+    /// `failures` answers of 500, then a valid one.
+    FailThenAnswer { failures: usize },
+    /// 200 with a body that is not JSON.
+    Malformed,
+    /// Reads the request and never answers.
+    Hang,
+}
+
+/// Reads one HTTP request (line, headers, body) and returns its path.
+fn read_request(stream: &TcpStream) -> Option<String> {
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    reader.read_line(&mut line).ok()?;
+    let path = line.split_whitespace().nth(1)?.to_string();
+    let mut length = 0;
+    loop {
+        let mut header = String::new();
+        reader.read_line(&mut header).ok()?;
+        if header.trim().is_empty() {
+            break;
+        }
+        if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+            length = v.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).ok()?;
+    Some(path)
+}
+
+fn respond(mut stream: &TcpStream, status: &str, body: &str) {
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+const ANSWER: &str = r#"{"choices": [{"index": 0, "finish_reason": "length", "token_ids": [5, 6],
+    "logprobs": {"content": [{"token_id": 5, "logprob": -0.25}, {"token_id": 6, "logprob": -0.5}]},
+    "weight_versions": [{"version": "v0", "start": 0, "end": 2}]}]}"#;
+
+/// Serves `/health` and generation requests as `behaviour` says; counts generation requests.
+fn serve(behaviour: Behaviour) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let generations = Arc::new(AtomicUsize::new(0));
+    let seen = generations.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                let Some(path) = read_request(&stream) else {
+                    return;
+                };
+                if path == "/health" {
+                    return respond(&stream, "200 OK", "");
+                }
+                let n = seen.fetch_add(1, Ordering::SeqCst);
+                match behaviour {
+                    Behaviour::FailThenAnswer { failures } if n < failures => {
+                        respond(&stream, "500 Internal Server Error", r#"{"error": "busy"}"#)
+                    }
+                    Behaviour::FailThenAnswer { .. } => respond(&stream, "200 OK", ANSWER),
+                    Behaviour::Malformed => respond(&stream, "200 OK", "{\"choices\": [ oops"),
+                    Behaviour::Hang => std::thread::sleep(Duration::from_secs(30)),
+                }
+            });
+        }
+    });
+    (url, generations)
+}
+
+fn spec(url: &str, retries: u32) -> VllmSpec {
+    VllmSpec {
+        server_urls: vec![url.to_string()],
+        sync: WeightSync::Disk,
+        sync_dir: None,
+        timeout: Duration::from_secs(1),
+        max_retries: retries,
+        backoff: Duration::from_millis(10),
+    }
+}
+
+fn engine(url: &str, retries: u32) -> VllmEngine {
+    VllmEngine::connect(spec(url, retries), Path::new("/tmp/unused"), None, vec![2]).unwrap()
+}
+
+fn generate(
+    engine: &mut VllmEngine,
+) -> oxrl_rollout::engine::Result<Vec<Vec<oxrl_rollout::Completion>>> {
+    engine.generate(&[vec![1, 2, 3]], &SamplingParams::default())
+}
+
+#[test]
+fn a_5xx_is_retried_and_then_succeeds() {
+    let (url, calls) = serve(Behaviour::FailThenAnswer { failures: 2 });
+    let mut e = engine(&url, 3);
+    let out = generate(&mut e).unwrap();
+    assert_eq!(out[0][0].response_ids, vec![5, 6]);
+    assert_eq!(out[0][0].logprobs, vec![-0.25, -0.5]);
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    let m = e.take_metrics();
+    assert_eq!(m[&format!("server_errors/{url}")], 2.0);
+}
+
+#[test]
+fn too_many_5xx_fail_with_the_url_and_the_answer() {
+    let (url, calls) = serve(Behaviour::FailThenAnswer { failures: 10 });
+    let err = generate(&mut engine(&url, 1)).unwrap_err().to_string();
+    assert!(
+        err.contains(&url)
+            && err.contains("500")
+            && err.contains("busy")
+            && err.contains("2 attempts"),
+        "{err}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn malformed_json_fails_at_once() {
+    let (url, calls) = serve(Behaviour::Malformed);
+    let err = generate(&mut engine(&url, 3)).unwrap_err().to_string();
+    assert!(err.contains(&url) && err.contains("not JSON"), "{err}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "a malformed answer is not retried"
+    );
+}
+
+#[test]
+fn a_hung_server_times_out() {
+    let (url, _) = serve(Behaviour::Hang);
+    let start = Instant::now();
+    let err = generate(&mut engine(&url, 0)).unwrap_err().to_string();
+    assert!(err.contains(&url), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn a_server_that_is_not_there_fails_the_health_check() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let err = VllmEngine::connect(spec(&url, 0), Path::new("/tmp/x"), None, vec![])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains(&format!("{url}/health")) && err.contains("health check"),
+        "{err}"
+    );
+}
