@@ -22,6 +22,7 @@ use crate::engine::{
 use oxrl_models::checkpoint::{save_safetensors_synced, MAX_SHARD_BYTES};
 use oxrl_models::{PolicyModel, Tokenizer};
 use serde_json::{json, Value};
+use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -70,14 +71,18 @@ pub struct VllmEngine {
     tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     version: WeightVersion,
-    /// Per server: requests, seconds, failed attempts (reset by `take_stats`).
+    /// Per server: requests, seconds, failed attempts (reset by `take_metrics`).
     stats: std::sync::Mutex<Vec<(u64, f64, u64)>>,
+    /// Set when a server answered 404 to the token route: `/v1/completions` from then on.
+    use_completions: std::sync::atomic::AtomicBool,
 }
 
 /// Why one attempt failed, and whether another may succeed.
 struct Failure {
     message: String,
     retry: bool,
+    /// The HTTP status, when the server answered with one.
+    status: Option<u16>,
 }
 
 impl VllmEngine {
@@ -119,6 +124,7 @@ impl VllmEngine {
             eos_token_ids,
             version: WeightVersion::default(),
             stats: std::sync::Mutex::new(vec![(0, 0.0, 0); n]),
+            use_completions: Default::default(),
         })
     }
 
@@ -135,27 +141,42 @@ impl VllmEngine {
                 return Err(Failure {
                     message: format!("HTTP status {code}: {}", text.trim()),
                     retry: code >= 500 || code == 408 || code == 429,
+                    status: Some(code),
                 });
             }
             Err(ureq::Error::Transport(t)) => {
                 return Err(Failure {
                     message: t.to_string(),
                     retry: true,
+                    status: None,
                 })
             }
         };
         let text = response.into_string().map_err(|e| Failure {
             message: format!("reading the answer: {e}"),
             retry: true,
+            status: None,
         })?;
         serde_json::from_str(&text).map_err(|e| Failure {
             message: format!("the answer is not JSON ({e}): {}", shorten(&text)),
             retry: false,
+            status: None,
         })
     }
 
     /// `POST <server><path>` with retries; the error names the URL and the last failure.
     fn post(&self, server: usize, path: &str, body: Option<&Value>) -> Result<Value> {
+        self.post_with_status(server, path, body)
+            .map_err(|(_, e)| e)
+    }
+
+    /// [`Self::post`], keeping the HTTP status of a final failure.
+    fn post_with_status(
+        &self,
+        server: usize,
+        path: &str,
+        body: Option<&Value>,
+    ) -> std::result::Result<Value, (Option<u16>, EngineError)> {
         let url = format!(
             "{}{path}",
             self.spec.server_urls[server].trim_end_matches('/')
@@ -176,16 +197,53 @@ impl VllmEngine {
                     drop(stats);
                     if !(f.retry && attempt < self.spec.max_retries) {
                         let tries = attempt + 1;
-                        return Err(EngineError::Remote {
+                        let error = EngineError::Remote {
                             url,
                             message: format!("{} (after {tries} attempts)", f.message),
-                        });
+                        };
+                        return Err((f.status, error));
                     }
                     std::thread::sleep(self.spec.backoff * 2u32.saturating_pow(attempt));
                     attempt += 1;
                 }
             }
         }
+    }
+
+    /// One prompt's group from `server`, in the token route's answer shape: the token route,
+    /// or `/v1/completions` with prompt ids on a server that lacks it (said once on stderr).
+    fn generate_one(
+        &self,
+        server: usize,
+        prompt: &[u32],
+        index: usize,
+        params: &SamplingParams,
+    ) -> Result<Value> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let body = self.request_body(prompt, index, params);
+        if !self.use_completions.load(SeqCst) {
+            match self.post_with_status(server, "/inference/v1/generate", Some(&body)) {
+                Ok(answer) => return Ok(answer),
+                Err((Some(404), _)) => {
+                    if !self.use_completions.swap(true, SeqCst) {
+                        let url = &self.spec.server_urls[server];
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "rollout: {url} has no /inference/v1/generate (start vLLM with \
+                             --enable-scale-out); using /v1/completions with prompt ids, which \
+                             needs the server's tokenizer"
+                        );
+                    }
+                }
+                Err((_, e)) => return Err(e),
+            }
+        }
+        let mut completion = body["sampling_params"].clone();
+        completion["prompt"] = body["token_ids"].clone();
+        completion["return_token_ids"] = json!(true);
+        completion["return_weight_versions"] = json!(true);
+        let answer = self.post(server, "/v1/completions", Some(&completion))?;
+        Ok(token_route_shape(&answer))
     }
 
     /// The body of one prompt's generation request.
@@ -314,6 +372,35 @@ fn untied_lm_head(policy: &dyn PolicyModel, dir: &std::path::Path) -> oxrl_model
     save_safetensors_synced(&head, &dir.join("lm_head.safetensors"))
 }
 
+/// A `/v1/completions` answer (`choices[i].{index, token_ids, logprobs.token_logprobs,
+/// finish_reason, weight_versions}`, in any order) in the token route's shape.
+fn token_route_shape(answer: &Value) -> Value {
+    let mut choices: Vec<Value> = answer
+        .get("choices")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    choices.sort_by_key(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0));
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .map(|c| {
+            let content: Vec<Value> = c
+                .pointer("/logprobs/token_logprobs")
+                .and_then(Value::as_array)
+                .map(|lps| lps.iter().map(|lp| json!({ "logprob": lp })).collect())
+                .unwrap_or_default();
+            json!({
+                "index": c.get("index"),
+                "finish_reason": c.get("finish_reason"),
+                "token_ids": c.get("token_ids"),
+                "logprobs": {"content": content},
+                "weight_versions": c.get("weight_versions"),
+            })
+        })
+        .collect();
+    json!({ "choices": choices })
+}
+
 /// The version name oxrl gives vLLM (`v3`), and back.
 fn version_name(v: WeightVersion) -> String {
     v.to_string()
@@ -415,9 +502,7 @@ impl Engine for VllmEngine {
                 .enumerate()
                 .map(|(i, prompt)| {
                     scope.spawn(move || {
-                        let body = this.request_body(prompt, i, params);
-                        let answer =
-                            this.post(i % servers, "/inference/v1/generate", Some(&body))?;
+                        let answer = this.generate_one(i % servers, prompt, i, params)?;
                         this.completions(&answer, params)
                     })
                 })
@@ -458,6 +543,7 @@ mod tests {
             eos_token_ids: vec![7],
             version: WeightVersion(2),
             stats: std::sync::Mutex::new(vec![(0, 0.0, 0); 2]),
+            use_completions: Default::default(),
         }
     }
 

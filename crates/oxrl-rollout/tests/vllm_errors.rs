@@ -20,6 +20,8 @@ enum Behaviour {
     Malformed,
     /// Reads the request and never answers.
     Hang,
+    /// 404 on the token route; `/v1/completions` answers.
+    NoTokenRoute,
 }
 
 /// Reads one HTTP request (line, headers, body) and returns its path.
@@ -56,6 +58,10 @@ const ANSWER: &str = r#"{"choices": [{"index": 0, "finish_reason": "length", "to
     "logprobs": {"content": [{"token_id": 5, "logprob": -0.25}, {"token_id": 6, "logprob": -0.5}]},
     "weight_versions": [{"version": "v0", "start": 0, "end": 2}]}]}"#;
 
+const COMPLETIONS_ANSWER: &str = r#"{"choices": [
+    {"index": 1, "finish_reason": "stop", "token_ids": [8], "logprobs": {"token_logprobs": [-0.75]}},
+    {"index": 0, "finish_reason": "length", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.25, -0.5]}}]}"#;
+
 /// Serves `/health` and generation requests as `behaviour` says; counts generation requests.
 fn serve(behaviour: Behaviour) -> (String, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -80,6 +86,10 @@ fn serve(behaviour: Behaviour) -> (String, Arc<AtomicUsize>) {
                     Behaviour::FailThenAnswer { .. } => respond(&stream, "200 OK", ANSWER),
                     Behaviour::Malformed => respond(&stream, "200 OK", "{\"choices\": [ oops"),
                     Behaviour::Hang => std::thread::sleep(Duration::from_secs(30)),
+                    Behaviour::NoTokenRoute if path == "/inference/v1/generate" => {
+                        respond(&stream, "404 Not Found", r#"{"detail": "Not Found"}"#)
+                    }
+                    Behaviour::NoTokenRoute => respond(&stream, "200 OK", COMPLETIONS_ANSWER),
                 }
             });
         }
@@ -175,4 +185,22 @@ fn a_server_that_is_not_there_fails_the_health_check() {
         err.contains(&format!("{url}/health")) && err.contains("health check"),
         "{err}"
     );
+}
+
+#[test]
+fn a_server_without_the_token_route_is_asked_through_completions() {
+    let (url, calls) = serve(Behaviour::NoTokenRoute);
+    let mut e = engine(&url, 0);
+    let params = SamplingParams {
+        n: 2,
+        ..SamplingParams::default()
+    };
+    for _ in 0..2 {
+        let out = e.generate(&[vec![1, 2, 3]], &params).unwrap();
+        assert_eq!(out[0][0].response_ids, vec![5, 6]);
+        assert_eq!(out[0][0].logprobs, vec![-0.25, -0.5]);
+        assert_eq!(out[0][1].response_ids, vec![8]);
+    }
+    // One 404, then completions only: 1 + 2 requests.
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
 }
