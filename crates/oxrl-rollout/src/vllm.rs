@@ -77,6 +77,13 @@ pub struct VllmEngine {
     use_completions: std::sync::atomic::AtomicBool,
 }
 
+/// A request that failed for good: the URL, the last HTTP status (if any) and what happened.
+struct RemoteFailure {
+    status: Option<u16>,
+    url: String,
+    message: String,
+}
+
 /// Why one attempt failed, and whether another may succeed.
 struct Failure {
     message: String,
@@ -167,7 +174,10 @@ impl VllmEngine {
     /// `POST <server><path>` with retries; the error names the URL and the last failure.
     fn post(&self, server: usize, path: &str, body: Option<&Value>) -> Result<Value> {
         self.post_with_status(server, path, body)
-            .map_err(|(_, e)| e)
+            .map_err(|f| EngineError::Remote {
+                url: f.url,
+                message: f.message,
+            })
     }
 
     /// [`Self::post`], keeping the HTTP status of a final failure.
@@ -176,7 +186,7 @@ impl VllmEngine {
         server: usize,
         path: &str,
         body: Option<&Value>,
-    ) -> std::result::Result<Value, (Option<u16>, EngineError)> {
+    ) -> std::result::Result<Value, RemoteFailure> {
         let url = format!(
             "{}{path}",
             self.spec.server_urls[server].trim_end_matches('/')
@@ -197,11 +207,11 @@ impl VllmEngine {
                     drop(stats);
                     if !(f.retry && attempt < self.spec.max_retries) {
                         let tries = attempt + 1;
-                        let error = EngineError::Remote {
+                        return Err(RemoteFailure {
+                            status: f.status,
                             url,
                             message: format!("{} (after {tries} attempts)", f.message),
-                        };
-                        return Err((f.status, error));
+                        });
                     }
                     std::thread::sleep(self.spec.backoff * 2u32.saturating_pow(attempt));
                     attempt += 1;
@@ -224,7 +234,9 @@ impl VllmEngine {
         if !self.use_completions.load(SeqCst) {
             match self.post_with_status(server, "/inference/v1/generate", Some(&body)) {
                 Ok(answer) => return Ok(answer),
-                Err((Some(404), _)) => {
+                Err(RemoteFailure {
+                    status: Some(404), ..
+                }) => {
                     if !self.use_completions.swap(true, SeqCst) {
                         let url = &self.spec.server_urls[server];
                         let _ = writeln!(
@@ -235,7 +247,12 @@ impl VllmEngine {
                         );
                     }
                 }
-                Err((_, e)) => return Err(e),
+                Err(f) => {
+                    return Err(EngineError::Remote {
+                        url: f.url,
+                        message: f.message,
+                    })
+                }
             }
         }
         let mut completion = body["sampling_params"].clone();
