@@ -81,3 +81,52 @@ pub fn demo_config(demo: &str, path: &std::path::Path, edits: &[(&str, &str)]) -
     std::fs::write(path, text).expect("writing the config");
     path.to_path_buf()
 }
+
+/// The pinned venv's python (`.venv/bin/python`), made by `.ci/python-env` when absent. A
+/// machine that cannot make it fails the calling test: peer tests never skip.
+pub fn peer_python() -> PathBuf {
+    let made = std::process::Command::new("bash")
+        .arg(repo().join(".ci/python-env"))
+        .status()
+        .expect("bash runs .ci/python-env");
+    assert!(
+        made.success(),
+        ".ci/python-env could not install the pinned Python peers; it needs python3 and the \
+         package registry"
+    );
+    repo().join(".venv/bin/python")
+}
+
+/// Reads one HTTP/1.1 request from `stream` (request line, headers, `Content-Length` body), for
+/// the small test servers that stand in for remote peers; returns the path and the body.
+pub fn read_http_request(stream: &std::net::TcpStream) -> Option<(String, Vec<u8>)> {
+    use std::io::{BufRead, Read};
+    let mut reader = std::io::BufReader::new(stream);
+    let mut line = String::new();
+    reader.read_line(&mut line).ok()?;
+    let path = line.split_whitespace().nth(1)?.to_string();
+    let mut length = 0;
+    loop {
+        let mut header = String::new();
+        reader.read_line(&mut header).ok()?;
+        if header.trim().is_empty() {
+            break;
+        }
+        if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+            length = v.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).ok()?;
+    Some((path, body))
+}
+
+/// Writes a whole HTTP/1.1 answer with a JSON body and closes the exchange.
+pub fn write_http_json(mut stream: &std::net::TcpStream, status: &str, body: &str) {
+    use std::io::Write;
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}

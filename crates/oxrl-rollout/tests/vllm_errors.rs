@@ -3,9 +3,9 @@
 //! are clear errors naming the URL, after the retries they allow and never later than the
 //! timeouts say.
 
+use oxrl_fixtures::{read_http_request, write_http_json};
 use oxrl_rollout::{Engine, SamplingParams, VllmEngine, VllmSpec, WeightSync};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -22,36 +22,6 @@ enum Behaviour {
     Hang,
     /// 404 on the token route; `/v1/completions` answers.
     NoTokenRoute,
-}
-
-/// Reads one HTTP request (line, headers, body) and returns its path.
-fn read_request(stream: &TcpStream) -> Option<String> {
-    let mut reader = BufReader::new(stream);
-    let mut line = String::new();
-    reader.read_line(&mut line).ok()?;
-    let path = line.split_whitespace().nth(1)?.to_string();
-    let mut length = 0;
-    loop {
-        let mut header = String::new();
-        reader.read_line(&mut header).ok()?;
-        if header.trim().is_empty() {
-            break;
-        }
-        if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
-            length = v.trim().parse().unwrap_or(0);
-        }
-    }
-    let mut body = vec![0; length];
-    reader.read_exact(&mut body).ok()?;
-    Some(path)
-}
-
-fn respond(mut stream: &TcpStream, status: &str, body: &str) {
-    let _ = write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
 }
 
 const ANSWER: &str = r#"{"choices": [{"index": 0, "finish_reason": "length", "token_ids": [5, 6],
@@ -72,24 +42,30 @@ fn serve(behaviour: Behaviour) -> (String, Arc<AtomicUsize>) {
         for stream in listener.incoming().flatten() {
             let seen = seen.clone();
             std::thread::spawn(move || {
-                let Some(path) = read_request(&stream) else {
+                let Some((path, _)) = read_http_request(&stream) else {
                     return;
                 };
                 if path == "/health" {
-                    return respond(&stream, "200 OK", "");
+                    return write_http_json(&stream, "200 OK", "");
                 }
                 let n = seen.fetch_add(1, Ordering::SeqCst);
                 match behaviour {
-                    Behaviour::FailThenAnswer { failures } if n < failures => {
-                        respond(&stream, "500 Internal Server Error", r#"{"error": "busy"}"#)
+                    Behaviour::FailThenAnswer { failures } if n < failures => write_http_json(
+                        &stream,
+                        "500 Internal Server Error",
+                        r#"{"error": "busy"}"#,
+                    ),
+                    Behaviour::FailThenAnswer { .. } => write_http_json(&stream, "200 OK", ANSWER),
+                    Behaviour::Malformed => {
+                        write_http_json(&stream, "200 OK", "{\"choices\": [ oops")
                     }
-                    Behaviour::FailThenAnswer { .. } => respond(&stream, "200 OK", ANSWER),
-                    Behaviour::Malformed => respond(&stream, "200 OK", "{\"choices\": [ oops"),
                     Behaviour::Hang => std::thread::sleep(Duration::from_secs(30)),
                     Behaviour::NoTokenRoute if path == "/inference/v1/generate" => {
-                        respond(&stream, "404 Not Found", r#"{"detail": "Not Found"}"#)
+                        write_http_json(&stream, "404 Not Found", r#"{"detail": "Not Found"}"#)
                     }
-                    Behaviour::NoTokenRoute => respond(&stream, "200 OK", COMPLETIONS_ANSWER),
+                    Behaviour::NoTokenRoute => {
+                        write_http_json(&stream, "200 OK", COMPLETIONS_ANSWER)
+                    }
                 }
             });
         }

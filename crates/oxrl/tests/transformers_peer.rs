@@ -20,21 +20,6 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// The venv's python, made by `.ci/python-env` when absent. A machine that cannot make it
-/// fails this test: the check never skips.
-fn python() -> PathBuf {
-    let made = Command::new("bash")
-        .arg(repo().join(".ci/python-env"))
-        .status()
-        .expect("bash runs .ci/python-env");
-    assert!(
-        made.success(),
-        ".ci/python-env could not install the pinned transformers; it needs python3 and the \
-         package registry"
-    );
-    repo().join(".venv/bin/python")
-}
-
 /// One training step of a bundled demo, so the checkpoint is one oxrl wrote after an update.
 fn trained_checkpoint(demo: &str, out: &Path) -> PathBuf {
     let config = oxrl_fixtures::demo_config(demo, &out.with_extension("toml"), &[]);
@@ -101,7 +86,7 @@ fn transformers_logprobs(python: &Path, checkpoint: &Path, cases: &str) -> Vec<V
 
 #[test]
 fn transformers_loads_oxrl_checkpoints_with_the_same_logprobs() {
-    let python = python();
+    let python = oxrl_fixtures::peer_python();
     let dir = temp_dir("transformers-peer");
     let demos = [
         (

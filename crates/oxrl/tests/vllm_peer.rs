@@ -17,19 +17,6 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// The venv's python, made by `.ci/python-env` when absent (never a skip).
-fn python() -> PathBuf {
-    let made = Command::new("bash")
-        .arg(repo().join(".ci/python-env"))
-        .status()
-        .expect("bash runs .ci/python-env");
-    assert!(
-        made.success(),
-        ".ci/python-env could not install the pinned vLLM"
-    );
-    repo().join(".venv/bin/python")
-}
-
 /// A random Qwen3 with the arithmetic demo's tokenizer: head_dim 32, which vLLM's CPU attention
 /// supports (the demo's own 16 is not).
 fn policy(root: &Path) -> PathBuf {
@@ -176,7 +163,7 @@ fn train(config: &Path, out: &Path) -> Vec<Value> {
 
 #[test]
 fn grpo_on_a_vllm_server_syncs_weights_through_disk() {
-    let python = python();
+    let python = oxrl_fixtures::peer_python();
     let dir = temp_dir("vllm-peer");
     let policy = policy(&dir);
     let server = start_vllm(&python, &policy, &dir.join("vllm.log"));

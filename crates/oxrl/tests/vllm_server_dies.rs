@@ -3,36 +3,13 @@
 //! `--resume` finishes the run. The server is a small stand-in for vLLM's routes (health,
 //! token-in generation with weight-version stamps, pause / reload / resume / version).
 
-use oxrl_fixtures::{demo_config, temp_dir};
+use oxrl_fixtures::{demo_config, read_http_request, temp_dir, write_http_json};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-
-/// Reads one HTTP request; returns its path and JSON body (null when empty).
-fn read_request(stream: &TcpStream) -> Option<(String, Value)> {
-    let mut reader = BufReader::new(stream);
-    let mut line = String::new();
-    reader.read_line(&mut line).ok()?;
-    let path = line.split_whitespace().nth(1)?.to_string();
-    let mut length = 0;
-    loop {
-        let mut header = String::new();
-        reader.read_line(&mut header).ok()?;
-        if header.trim().is_empty() {
-            break;
-        }
-        if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
-            length = v.trim().parse().unwrap_or(0);
-        }
-    }
-    let mut body = vec![0; length];
-    reader.read_exact(&mut body).ok()?;
-    Some((path, serde_json::from_slice(&body).unwrap_or(Value::Null)))
-}
 
 /// The stand-in server's state: alive or not, the weight version it stamps, requests seen.
 #[derive(Default)]
@@ -78,15 +55,11 @@ fn serve() -> (String, Arc<Fake>) {
                 if state.down.load(Ordering::SeqCst) {
                     return; // Dropped unanswered: the client sees the connection close.
                 }
-                let Some((path, body)) = read_request(&stream) else {
+                let Some((path, body)) = read_http_request(&stream) else {
                     return;
                 };
-                let answer = state.answer(&path, &body).to_string();
-                let _ = write!(
-                    &stream,
-                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
-                    answer.len()
-                );
+                let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                write_http_json(&stream, "200 OK", &state.answer(&path, &body).to_string());
             });
         }
     });
