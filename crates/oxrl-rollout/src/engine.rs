@@ -61,6 +61,29 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
 }
 
+impl SamplingParams {
+    /// The token ids that end a sequence: the request's own, then the model's `eos` ids unless
+    /// `ignore_eos`.
+    pub fn stop_ids(&self, eos: &[u32]) -> Vec<u32> {
+        let mut ids = self.stop_token_ids.clone();
+        if !self.ignore_eos {
+            ids.extend(eos);
+        }
+        ids
+    }
+}
+
+impl WeightVersion {
+    /// Moves to `to`, refusing to go back: every engine's `sync_weights` starts here.
+    pub fn advance_to(&mut self, to: WeightVersion) -> Result<()> {
+        if to < *self {
+            return Err(EngineError::VersionBackwards { current: *self, to });
+        }
+        *self = to;
+        Ok(())
+    }
+}
+
 impl Default for SamplingParams {
     fn default() -> Self {
         Self {

@@ -241,14 +241,7 @@ impl Engine for LocalEngine {
     /// The model shares its storage with the trainer's variables, whose optimizer step already
     /// wrote the new weights in place: a sync only records their version.
     fn sync_weights(&mut self, _policy: &dyn PolicyModel, version: WeightVersion) -> Result<()> {
-        if version < self.version {
-            return Err(EngineError::VersionBackwards {
-                current: self.version,
-                to: version,
-            });
-        }
-        self.version = version;
-        Ok(())
+        self.version.advance_to(version)
     }
 
     fn generate_with_images(
@@ -260,10 +253,7 @@ impl Engine for LocalEngine {
         self.validate(prompts, images, params)?;
         let model = self.model.clone();
         let n = params.n;
-        let mut token_ids = params.stop_token_ids.clone();
-        if !params.ignore_eos {
-            token_ids.extend(&self.eos_token_ids);
-        }
+        let token_ids = params.stop_ids(&self.eos_token_ids);
         let rules = StopRules {
             token_ids,
             strings: &params.stop_strings,

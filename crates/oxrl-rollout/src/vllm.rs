@@ -266,10 +266,7 @@ impl VllmEngine {
     /// The body of one prompt's generation request.
     fn request_body(&self, prompt: &[u32], index: usize, params: &SamplingParams) -> Value {
         let s = &params.sampler;
-        let mut stop = params.stop_token_ids.clone();
-        if !params.ignore_eos {
-            stop.extend(&self.eos_token_ids);
-        }
+        let stop = params.stop_ids(&self.eos_token_ids);
         json!({
             "token_ids": prompt,
             "sampling_params": {
@@ -474,12 +471,9 @@ impl Engine for VllmEngine {
     }
 
     fn sync_weights(&mut self, policy: &dyn PolicyModel, version: WeightVersion) -> Result<()> {
-        if version < self.version {
-            return Err(EngineError::VersionBackwards {
-                current: self.version,
-                to: version,
-            });
-        }
+        // Checked before any I/O; the engine takes the version only once the servers have it.
+        let mut next = self.version;
+        next.advance_to(version)?;
         if self.spec.sync == WeightSync::None {
             return Ok(());
         }
@@ -487,7 +481,7 @@ impl Engine for VllmEngine {
             untied_lm_head(policy, dir)
         })?;
         self.reload_all(&self.sync_dir, version)?;
-        self.version = version;
+        self.version = next;
         Ok(())
     }
 
