@@ -3,11 +3,13 @@
 //! token comes back with its log-probability and the weight version that sampled it, behind the
 //! [`Engine`] trait.
 
+pub mod batch;
 pub mod engine;
 pub mod local;
 pub mod sampler;
 pub mod vllm;
 
+pub use batch::{Batcher, Group, GroupSink, StepReport, VersionSpan};
 pub use engine::{
     Completion, Engine, EngineError, FinishReason, PromptImage, PromptImages, SamplingParams,
     WeightVersion, MAX_SAMPLES_PER_PROMPT, MAX_SEQUENCES_PER_REQUEST,

@@ -6,6 +6,7 @@ mod input;
 mod load;
 mod output;
 mod score;
+mod serve;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -49,6 +50,8 @@ enum Command {
     Train(train::TrainArgs),
     /// Supervised fine-tuning on chat data (loss on assistant tokens only).
     Sft(train::SftArgs),
+    /// Serve the model over HTTP: OpenAI's completion and chat routes, vLLM's token route.
+    Serve(serve::ServeArgs),
     /// Explain or check run configurations.
     Config(train::ConfigArgs),
     /// Speed benchmarks on random-weight models.
@@ -93,6 +96,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => done(generate::run(args)),
         Command::Train(args) => stop_on_signals().and_then(|i| train::train(args, &i)),
         Command::Sft(args) => stop_on_signals().and_then(|i| train::sft(args, &i)),
+        Command::Serve(args) => done(serve::run(args)),
         Command::Config(args) => done(train::config(args)),
         Command::Bench(cmd) => done(bench::run(cmd)),
     };
