@@ -130,3 +130,53 @@ pub fn write_http_json(mut stream: &std::net::TcpStream, status: &str, body: &st
         body.len()
     );
 }
+
+/// An `oxrl serve` process on a free port, killed when dropped.
+pub struct ServeProcess {
+    child: std::process::Child,
+    /// `http://127.0.0.1:<port>`.
+    pub url: String,
+}
+
+impl ServeProcess {
+    /// Runs `binary serve --port 0 <args>` and waits for the line that names its address.
+    pub fn start(binary: &std::path::Path, args: &[&str]) -> Self {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(binary)
+            .arg("serve")
+            .args(["--port", "0"])
+            .args(args)
+            .env("HF_HUB_OFFLINE", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("oxrl serve starts");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut first = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut first)
+            .expect("reading oxrl serve's first line");
+        let url = first
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap_or_else(|| panic!("oxrl serve did not say where it listens: {first:?}"))
+            .to_string();
+        Self { child, url }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().expect("polling oxrl serve").is_none()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -51,6 +51,8 @@ pub struct ServeMetrics {
     requests: Mutex<BTreeMap<(String, u16), u64>>,
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Engine steps (prefills and decodes): tokens per step is the batching at work.
+    pub steps: AtomicU64,
     pub queue_depth: AtomicU64,
     pub running: AtomicU64,
     pub weight_version: AtomicU64,
@@ -92,6 +94,11 @@ impl ServeMetrics {
                 "oxrl_serve_generation_tokens_total",
                 "Tokens sampled.",
                 &self.generated_tokens,
+            ),
+            (
+                "oxrl_serve_engine_steps_total",
+                "Engine steps (each a prefill or a decode of every running sequence).",
+                &self.steps,
             ),
         ];
         for (name, help, v) in counters {

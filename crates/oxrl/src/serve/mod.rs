@@ -304,7 +304,7 @@ impl Server {
             .map_err(|e| ApiError::field("messages", e))?;
         let kwargs = openai::template_kwargs(body)?;
         let text = tok
-            .apply_chat_template(messages, true, &kwargs)
+            .apply_chat_template(&image_placeholders(messages), true, &kwargs)
             .map_err(|e| ApiError::field("messages", e))?;
         let ids = tok
             .encode(&text)
@@ -668,6 +668,22 @@ impl Server {
             Err(e) => self.fail(request, &e),
         }
     }
+}
+
+/// `messages` with every image item as `{"type": "image"}`, the form Hugging Face chat
+/// templates place image pads for (OpenAI clients send `image_url` items, which some templates
+/// do not know); the images themselves were taken from the items already.
+fn image_placeholders(messages: &Value) -> Value {
+    let mut messages = messages.clone();
+    for message in messages.as_array_mut().into_iter().flatten() {
+        let items = message.get_mut("content").and_then(Value::as_array_mut);
+        for item in items.into_iter().flatten() {
+            if oxrl_models::image::is_image_item(item) {
+                *item = json!({"type": "image"});
+            }
+        }
+    }
+    messages
 }
 
 /// One OpenAI request in flight.

@@ -35,10 +35,13 @@ pub enum Event {
 struct ChannelSink {
     prompt: usize,
     events: Sender<Event>,
+    /// Tokens are counted here, before the answer that holds them can go out.
+    metrics: Arc<ServeMetrics>,
 }
 
 impl GroupSink for ChannelSink {
     fn token(&mut self, sample: usize, token: u32, logprob: f32) -> bool {
+        self.metrics.generated_tokens.fetch_add(1, Relaxed);
         let prompt = self.prompt;
         self.events
             .send(Event::Token {
@@ -88,6 +91,7 @@ enum Command {
 #[derive(Clone)]
 pub struct Scheduler {
     commands: Sender<Command>,
+    metrics: Arc<ServeMetrics>,
     /// A copy of the batcher's settings for checking requests before they queue.
     checker: Arc<std::sync::Mutex<Batcher>>,
     pub paused: Arc<std::sync::atomic::AtomicBool>,
@@ -109,14 +113,16 @@ impl Scheduler {
         );
         let paused = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let seen = paused.clone();
+        let shared_metrics = metrics.clone();
         let checker = Arc::new(std::sync::Mutex::new(checker));
         let shared = checker.clone();
         std::thread::Builder::new()
             .name("scheduler".into())
-            .spawn(move || run(batcher, shared, inbox, dtype, metrics, seen))
+            .spawn(move || run(batcher, shared, inbox, dtype, shared_metrics, seen))
             .expect("spawning the scheduler thread");
         Scheduler {
             commands,
+            metrics,
             checker,
             paused,
         }
@@ -161,6 +167,7 @@ impl Scheduler {
                 sink: Box::new(ChannelSink {
                     prompt: i,
                     events: events.clone(),
+                    metrics: self.metrics.clone(),
                 }),
             })
             .collect();
@@ -257,10 +264,8 @@ fn run(
             continue;
         }
         match batcher.step() {
-            Ok(report) => {
-                metrics
-                    .generated_tokens
-                    .fetch_add(report.sampled as u64, Relaxed);
+            Ok(_) => {
+                metrics.steps.fetch_add(1, Relaxed);
             }
             Err(e) => oxrl_train::note!("serve: a step failed: {e}"),
         }
