@@ -28,6 +28,8 @@ pub enum BenchCommand {
     GrpoStep(GrpoStepBench),
     /// Qwen3-VL: images per second through the vision tower, and a GRPO step on image prompts.
     Vision(VisionBench),
+    /// A load test of `oxrl serve` from many concurrent clients, next to the offline engine.
+    Serve(crate::bench_serve::ServeBench),
 }
 
 #[derive(clap::Args)]
@@ -332,7 +334,7 @@ fn random_reward_trajectories(
 }
 
 /// W1's prompts: ~20 random tokens each, of slightly different lengths (as the peer scripts').
-fn w1_prompts(count: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Vec<Vec<u32>> {
+pub fn w1_prompts(count: usize, vocab: usize, rng: &mut ChaCha8Rng) -> Vec<Vec<u32>> {
     (0..count)
         .map(|p| {
             (0..18 + p % 5)
@@ -347,6 +349,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Generate(b) => generate(b),
         BenchCommand::GrpoStep(b) => grpo_step(b),
         BenchCommand::Vision(b) => vision(b),
+        BenchCommand::Serve(b) => crate::bench_serve::run(b),
     }
 }
 

@@ -1,6 +1,7 @@
 //! `oxrl`: the command line of the oxrl post-training framework.
 
 mod bench;
+mod bench_serve;
 mod generate;
 mod input;
 mod load;

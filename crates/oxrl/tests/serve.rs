@@ -456,3 +456,40 @@ fn grpo_through_the_token_route_syncs_weights_through_disk() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// 64 clients for 10 s from a second process (`oxrl bench serve`): every request answered, and
+/// the server's memory after the first quarter stays where it was (no leak per request).
+#[test]
+fn sixty_four_clients_get_no_errors_and_the_server_does_not_grow() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oxrl"))
+        .args(["bench", "serve", "--model", s(&demo_policy())])
+        .args([
+            "--clients",
+            "64",
+            "--seconds",
+            "10",
+            "--new-tokens",
+            "16",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["errors"], 0, "{r}");
+    assert!(r["requests"].as_u64().unwrap() >= 64, "{r}");
+    let (early, late) = (
+        r["server_rss_mib_early"].as_f64().unwrap(),
+        r["server_rss_mib_late"].as_f64().unwrap(),
+    );
+    assert!(early > 0.0, "{r}");
+    assert!(
+        late <= early * 1.25 + 32.0,
+        "server memory grew under load: {r}"
+    );
+    eprintln!("{r}");
+}
