@@ -4,7 +4,9 @@
 //! temperature-scaled distribution, as the local engine's are).
 //!
 //! Each prompt's `n` samples go to one server in one request (a GRPO group shares its prefill
-//! and prefix cache); prompts are spread over the servers round-robin and sent concurrently.
+//! and prefix cache); prompts are spread over the servers round-robin and sent concurrently,
+//! at most [`MAX_REQUESTS_IN_FLIGHT`] per server. Stop strings are applied to the answers here
+//! (the servers run without a tokenizer and stop on token ids).
 //! A transport error or a 5xx is retried with exponential backoff; anything else fails the
 //! step with the server's URL and answer.
 //!
@@ -62,6 +64,10 @@ pub struct VllmSpec {
     /// Wait before the first retry; doubled for each further one.
     pub backoff: Duration,
 }
+
+/// Requests one engine keeps in flight per server; more prompts wait for a free slot (a batch
+/// of 1024 prompts is not 1024 threads and sockets).
+pub const MAX_REQUESTS_IN_FLIGHT: usize = 64;
 
 pub struct VllmEngine {
     spec: VllmSpec,
@@ -335,17 +341,20 @@ impl VllmEngine {
                 Some("length") => FinishReason::Length,
                 _ => FinishReason::Stop,
             };
-            let text = match &self.tokenizer {
-                Some(t) => Some(t.decode(&ids, true)?),
-                None => None,
-            };
-            out.push(Completion {
+            let mut completion = Completion {
+                text: match &self.tokenizer {
+                    Some(t) => Some(t.decode(&ids, true)?),
+                    None => None,
+                },
                 response_ids: ids,
                 logprobs,
                 finish_reason,
-                text,
                 weight_version: sampled_version(c).unwrap_or(self.version),
-            });
+            };
+            if let Some(t) = &self.tokenizer {
+                cut_at_stop_string(&mut completion, &params.stop_strings, t)?;
+            }
+            out.push(completion);
         }
         Ok(out)
     }
@@ -366,6 +375,28 @@ impl VllmEngine {
         }
         Ok(())
     }
+}
+
+/// Ends `c` where the local engine would have: at the first token whose text completes a stop
+/// string, the text cut before it. The servers sample with stop token ids only (they run
+/// without a tokenizer), so stop strings are applied to their answers here; tokens sampled
+/// past the stop are dropped with their log-probs.
+fn cut_at_stop_string(c: &mut Completion, stops: &[String], tok: &Tokenizer) -> Result<()> {
+    let full = c.text.as_deref().unwrap_or("");
+    if stops.is_empty() || !stops.iter().any(|s| full.contains(s.as_str())) {
+        return Ok(());
+    }
+    for k in 1..=c.response_ids.len() {
+        let text = tok.decode(&c.response_ids[..k], true)?;
+        if let Some(at) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+            c.response_ids.truncate(k);
+            c.logprobs.truncate(k);
+            c.text = Some(text[..at].to_string());
+            c.finish_reason = FinishReason::Stop;
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// vLLM's in-place reload does not re-tie a tied `lm_head` to the embedding it reloads (it
@@ -498,38 +529,69 @@ impl Engine for VllmEngine {
                     .into(),
             ));
         }
-        if !params.stop_strings.is_empty() {
+        if !params.stop_strings.is_empty() && self.tokenizer.is_none() {
             return Err(EngineError::InvalidRequest(
-                "the vLLM backend matches stop token ids, not stop strings: drop [rollout] stop \
-                 or use backend = \"local\""
-                    .into(),
+                "stop strings need a tokenizer, and the model has no tokenizer.json".into(),
             ));
         }
         let servers = self.spec.server_urls.len();
         let this = &*self;
-        let answers: Vec<Result<Vec<Completion>>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = prompts
-                .iter()
-                .enumerate()
-                .map(|(i, prompt)| {
+        // A bounded pool: at most MAX_REQUESTS_IN_FLIGHT per server, each taking the next
+        // prompt; prompt `i` still goes to server `i % servers` (its group's prefix cache).
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        let workers = prompts.len().min(MAX_REQUESTS_IN_FLIGHT * servers);
+        let answers: Vec<(usize, Result<Vec<Completion>>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..workers)
+                .map(|_| {
+                    let (next, failed) = (&next, &failed);
                     scope.spawn(move || {
-                        let answer = this.generate_one(i % servers, prompt, i, params)?;
-                        this.completions(&answer, params)
+                        use std::sync::atomic::Ordering::Relaxed;
+                        let mut done = Vec::new();
+                        // The first failure fails the step: stop taking prompts.
+                        while !failed.load(Relaxed) {
+                            let i = next.fetch_add(1, Relaxed);
+                            let Some(prompt) = prompts.get(i) else {
+                                return done;
+                            };
+                            let answer = this
+                                .generate_one(i % servers, prompt, i, params)
+                                .and_then(|a| this.completions(&a, params));
+                            if answer.is_err() {
+                                failed.store(true, Relaxed);
+                            }
+                            done.push((i, answer));
+                        }
+                        done
                     })
                 })
                 .collect();
             handles
                 .into_iter()
-                .map(|h| {
+                .flat_map(|h| {
                     h.join().unwrap_or_else(|_| {
-                        Err(EngineError::InvalidRequest(
-                            "a request thread panicked".into(),
-                        ))
+                        vec![(
+                            usize::MAX,
+                            Err(EngineError::InvalidRequest(
+                                "a request thread panicked".into(),
+                            )),
+                        )]
                     })
                 })
                 .collect()
         });
-        answers.into_iter().collect()
+        let mut ordered: Vec<Option<Vec<Completion>>> = vec![None; prompts.len()];
+        for (i, answer) in answers {
+            let completions = answer?;
+            ordered[i] = Some(completions);
+        }
+        ordered
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                c.ok_or_else(|| EngineError::InvalidRequest(format!("prompt {i} got no answer")))
+            })
+            .collect()
     }
 }
 
@@ -613,6 +675,33 @@ mod tests {
         );
         let short = json!({"choices": [answer["choices"][0].clone()]});
         assert!(engine().completions(&short, &params).is_err());
+    }
+
+    #[test]
+    fn a_stop_string_cuts_the_answer_where_the_local_engine_stops() {
+        let tok =
+            Tokenizer::from_dir(&oxrl_fixtures::repo().join("examples/arithmetic/policy")).unwrap();
+        let ids = tok.encode("12\n34").unwrap();
+        let mut c = Completion {
+            text: Some(tok.decode(&ids, true).unwrap()),
+            logprobs: vec![-0.5; ids.len()],
+            response_ids: ids.clone(),
+            finish_reason: FinishReason::Length,
+            weight_version: WeightVersion(0),
+        };
+        cut_at_stop_string(&mut c, &["\n".to_string()], &tok).unwrap();
+        assert_eq!(c.text.as_deref(), Some("12"));
+        assert_eq!(c.finish_reason, FinishReason::Stop);
+        let upto = tok.encode("12\n").unwrap().len();
+        assert_eq!(
+            c.response_ids,
+            ids[..upto].to_vec(),
+            "the stop token is kept"
+        );
+        assert_eq!(c.logprobs.len(), upto);
+        let mut none = c.clone();
+        cut_at_stop_string(&mut none, &["#".to_string()], &tok).unwrap();
+        assert_eq!(none, c, "no stop string, no change");
     }
 
     #[test]
