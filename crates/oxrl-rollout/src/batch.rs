@@ -127,6 +127,11 @@ impl StopLimits<'_> {
     }
 }
 
+/// Sequences decoded together unless the caller says otherwise.
+pub const DEFAULT_MAX_NUM_SEQS: usize = 256;
+/// Prompt tokens prefilled in one forward unless the caller says otherwise.
+pub const DEFAULT_MAX_PREFILL_TOKENS: usize = 8192;
+
 pub struct Batcher {
     model: Arc<dyn PolicyModel>,
     tokenizer: Option<Arc<Tokenizer>>,
@@ -152,8 +157,8 @@ impl Batcher {
             model,
             tokenizer,
             eos_token_ids,
-            max_num_seqs: 256,
-            max_prefill_tokens: 8192,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+            max_prefill_tokens: DEFAULT_MAX_PREFILL_TOKENS,
             version: WeightVersion::default(),
             waiting: VecDeque::new(),
             groups: HashMap::new(),

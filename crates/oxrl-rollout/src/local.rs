@@ -1,7 +1,9 @@
 //! The in-process engine over any [`PolicyModel`]: one [`Batcher`] fed a whole request, whose
 //! prompts join the batch as room frees up.
 
-use crate::batch::{Batcher, Group, GroupSink, VersionSpan};
+use crate::batch::{
+    Batcher, Group, GroupSink, VersionSpan, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS,
+};
 use crate::engine::{
     Completion, Engine, EngineError, PromptImages, Result, SamplingParams, WeightVersion,
     MAX_SEQUENCES_PER_REQUEST,
@@ -62,8 +64,8 @@ impl LocalEngine {
             model,
             tokenizer,
             eos_token_ids,
-            max_num_seqs: 256,
-            max_prefill_tokens: 8192,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+            max_prefill_tokens: DEFAULT_MAX_PREFILL_TOKENS,
             progress: None,
             version: WeightVersion::default(),
         }

@@ -91,7 +91,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     batcher.max_num_seqs = args.max_num_seqs.max(1);
     batcher.max_prefill_tokens = args.max_prefill_tokens.max(1);
     let metrics = Arc::new(ServeMetrics::default());
-    let scheduler = Scheduler::start(batcher, args.dtype.dtype(), metrics.clone());
+    let scheduler = Scheduler::start(batcher, args.dtype.dtype(), metrics.clone())?;
     let address = format!("{}:{}", args.host, args.port);
     let listener = tiny_http::Server::http(&address)
         .map_err(|e| anyhow::anyhow!("listening on {address}: {e}"))?;
@@ -412,7 +412,10 @@ impl Server {
         job: &Job,
         events: std::sync::mpsc::Receiver<Event>,
     ) -> u16 {
-        let tok = self.tokenizer.as_deref().expect("checked in prepare");
+        let tok = match self.tokenizer() {
+            Ok(t) => t,
+            Err(e) => return self.fail(request, &e),
+        };
         let mut choices: Vec<Option<Value>> = vec![None; job.total];
         let mut completion_tokens = 0;
         let mut first = true;
@@ -447,7 +450,10 @@ impl Server {
         job: &Job,
         events: std::sync::mpsc::Receiver<Event>,
     ) -> u16 {
-        let tok = self.tokenizer.as_deref().expect("checked in prepare");
+        let tok = match self.tokenizer() {
+            Ok(t) => t,
+            Err(e) => return self.fail(request, &e),
+        };
         let Ok(mut out) = EventStream::start(request) else {
             return 200;
         };

@@ -104,7 +104,7 @@ impl Scheduler {
         batcher: Batcher,
         dtype: candle_core::DType,
         metrics: Arc<ServeMetrics>,
-    ) -> Scheduler {
+    ) -> Result<Scheduler> {
         let (commands, inbox) = mpsc::channel();
         let checker = Batcher::new(
             batcher.model().clone(),
@@ -119,13 +119,13 @@ impl Scheduler {
         std::thread::Builder::new()
             .name("scheduler".into())
             .spawn(move || run(batcher, shared, inbox, dtype, shared_metrics, seen))
-            .expect("spawning the scheduler thread");
-        Scheduler {
+            .context("starting the scheduler thread")?;
+        Ok(Scheduler {
             commands,
             metrics,
             checker,
             paused,
-        }
+        })
     }
 
     /// The model new requests are checked against (its image processor, its vocabulary).
