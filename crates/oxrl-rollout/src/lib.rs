@@ -8,6 +8,7 @@ pub mod engine;
 pub mod local;
 pub mod sampler;
 pub mod vllm;
+pub mod weight_transfer;
 
 pub use batch::{Batcher, Group, GroupSink, StepReport, VersionSpan};
 pub use engine::{
@@ -17,3 +18,4 @@ pub use engine::{
 pub use local::LocalEngine;
 pub use sampler::{SamplerConfig, SamplerScratch};
 pub use vllm::{VllmEngine, VllmSpec, WeightSync};
+pub use weight_transfer::Broadcaster;

@@ -16,11 +16,15 @@
 //! (`/update_weight_version`), which it stamps on every later sample (`weight_versions`). Those
 //! stamps are what the completions carry, so the trainer sees what really sampled them.
 //! These control routes exist only on servers started with `VLLM_SERVER_DEV_MODE=1`.
+//!
+//! With `sync = "nccl"` the weights go device to device instead, over vLLM's NCCL weight
+//! transfer ([`crate::weight_transfer`]); the trainer brings the [`Broadcaster`].
 
 use crate::engine::{
-    Completion, Engine, EngineError, FinishReason, PromptImages, Result, SamplingParams,
-    WeightVersion,
+    Completion, Engine, EngineError, FinishReason, PromptImage, PromptImages, Result,
+    SamplingParams, WeightVersion,
 };
+use crate::weight_transfer::{self, Broadcaster};
 use oxrl_models::checkpoint::{save_safetensors_synced, MAX_SHARD_BYTES};
 use oxrl_models::{PolicyModel, Tokenizer};
 use serde_json::{json, Value};
@@ -34,6 +38,8 @@ use std::time::{Duration, Instant};
 pub enum WeightSync {
     /// Save to `sync_dir`, then each server reloads from it.
     Disk,
+    /// Broadcast every tensor over NCCL to every server's workers (GPU builds).
+    Nccl,
     /// Never: the servers keep the weights they started with (benchmarks, and a test that
     /// shows the log-prob gap of an unsynced engine). Samples stay at their start version.
     None,
@@ -43,6 +49,7 @@ impl WeightSync {
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "disk" => Some(Self::Disk),
+            "nccl" => Some(Self::Nccl),
             "none" => Some(Self::None),
             _ => None,
         }
@@ -69,6 +76,9 @@ pub struct VllmSpec {
 /// of 1024 prompts is not 1024 threads and sockets).
 pub const MAX_REQUESTS_IN_FLIGHT: usize = 64;
 
+/// vLLM's token-in/token-out generation route.
+const TOKEN_ROUTE: &str = "/inference/v1/generate";
+
 pub struct VllmEngine {
     spec: VllmSpec,
     /// `spec.sync_dir` or the default, absolute: the servers resolve it from their own cwd.
@@ -81,6 +91,21 @@ pub struct VllmEngine {
     stats: std::sync::Mutex<Vec<(u64, f64, u64)>>,
     /// Set when a server answered 404 to the token route: `/v1/completions` from then on.
     use_completions: std::sync::atomic::AtomicBool,
+    /// The trainer's end of the NCCL group (`sync = "nccl"`), and whether it has joined. In a
+    /// mutex only so the engine can be shared with its request threads; one sync uses it.
+    broadcaster: std::sync::Mutex<Option<Box<dyn Broadcaster>>>,
+    nccl_joined: bool,
+    /// The model's image pad (`image_token_id`), for image prompts.
+    image_token_id: Option<u32>,
+    /// The checkpoint whose tokenizer and processor files go beside the synced weights.
+    checkpoint_files: Option<PathBuf>,
+}
+
+/// One prompt as sent: its ids (image pads compact) and its images as vLLM's `content_parts`.
+#[derive(Debug)]
+struct RemotePrompt {
+    ids: Vec<u32>,
+    content_parts: Vec<Value>,
 }
 
 /// A request that failed for good: the URL, the last HTTP status (if any) and what happened.
@@ -138,11 +163,40 @@ impl VllmEngine {
             version: WeightVersion::default(),
             stats: std::sync::Mutex::new(vec![(0, 0.0, 0); n]),
             use_completions: Default::default(),
+            broadcaster: Default::default(),
+            nccl_joined: false,
+            image_token_id: None,
+            checkpoint_files: None,
         })
     }
 
-    fn attempt(&self, url: &str, body: Option<&Value>) -> std::result::Result<Value, Failure> {
-        let request = self.agent.post(url);
+    /// The model's image pad token, so that image prompts can be sent (vision models).
+    pub fn with_image_token_id(mut self, id: Option<u32>) -> Self {
+        self.image_token_id = id;
+        self
+    }
+
+    /// Copy the tokenizer and processor files of the checkpoint in `dir` beside each synced
+    /// policy, so that the sync directory is a whole checkpoint (a server that reloads it whole,
+    /// as `oxrl serve` does, keeps processing images as the trainer does).
+    pub fn with_checkpoint_files(mut self, dir: &std::path::Path) -> Self {
+        self.checkpoint_files = Some(dir.to_path_buf());
+        self
+    }
+
+    /// The sender `sync = "nccl"` broadcasts through (the CUDA build's NCCL communicator).
+    pub fn with_broadcaster(mut self, broadcaster: Box<dyn Broadcaster>) -> Self {
+        self.broadcaster = std::sync::Mutex::new(Some(broadcaster));
+        self
+    }
+
+    fn attempt(
+        &self,
+        method: &str,
+        url: &str,
+        body: Option<&Value>,
+    ) -> std::result::Result<Value, Failure> {
+        let request = self.agent.request(method, url);
         let sent = match body {
             Some(b) => request.send_json(b),
             None => request.call(),
@@ -179,19 +233,38 @@ impl VllmEngine {
 
     /// `POST <server><path>` with retries; the error names the URL and the last failure.
     fn post(&self, server: usize, path: &str, body: Option<&Value>) -> Result<Value> {
-        self.post_with_status(server, path, body)
+        self.request(server, "POST", path, body, self.spec.max_retries)
+    }
+
+    /// `POST <server><path>` once: a request that is half of a collective (the other half is
+    /// the trainer's NCCL call) cannot be sent again on its own.
+    fn post_once(&self, server: usize, path: &str, body: &Value) -> Result<Value> {
+        self.request(server, "POST", path, Some(body), 0)
+    }
+
+    fn request(
+        &self,
+        server: usize,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        retries: u32,
+    ) -> Result<Value> {
+        self.request_with_status(server, method, path, body, retries)
             .map_err(|f| EngineError::Remote {
                 url: f.url,
                 message: f.message,
             })
     }
 
-    /// [`Self::post`], keeping the HTTP status of a final failure.
-    fn post_with_status(
+    /// [`Self::request`], keeping the HTTP status of a final failure.
+    fn request_with_status(
         &self,
         server: usize,
+        method: &str,
         path: &str,
         body: Option<&Value>,
+        retries: u32,
     ) -> std::result::Result<Value, RemoteFailure> {
         let url = format!(
             "{}{path}",
@@ -200,7 +273,7 @@ impl VllmEngine {
         let mut attempt = 0;
         loop {
             let start = Instant::now();
-            let result = self.attempt(&url, body);
+            let result = self.attempt(method, &url, body);
             let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
             match result {
                 Ok(v) => {
@@ -211,7 +284,7 @@ impl VllmEngine {
                 Err(f) => {
                     stats[server].2 += 1;
                     drop(stats);
-                    if !(f.retry && attempt < self.spec.max_retries) {
+                    if !(f.retry && attempt < retries) {
                         let tries = attempt + 1;
                         return Err(RemoteFailure {
                             status: f.status,
@@ -231,14 +304,15 @@ impl VllmEngine {
     fn generate_one(
         &self,
         server: usize,
-        prompt: &[u32],
+        prompt: &RemotePrompt,
         index: usize,
         params: &SamplingParams,
     ) -> Result<Value> {
         use std::sync::atomic::Ordering::SeqCst;
         let body = self.request_body(prompt, index, params);
         if !self.use_completions.load(SeqCst) {
-            match self.post_with_status(server, "/inference/v1/generate", Some(&body)) {
+            let retries = self.spec.max_retries;
+            match self.request_with_status(server, "POST", TOKEN_ROUTE, Some(&body), retries) {
                 Ok(answer) => return Ok(answer),
                 Err(RemoteFailure {
                     status: Some(404), ..
@@ -261,6 +335,14 @@ impl VllmEngine {
                 }
             }
         }
+        if !prompt.content_parts.is_empty() {
+            return Err(EngineError::Remote {
+                url: self.spec.server_urls[server].clone(),
+                message: "image prompts need the token route (/inference/v1/generate, vLLM \
+                          started with --enable-scale-out); /v1/completions takes no images"
+                    .into(),
+            });
+        }
         let mut completion = body["sampling_params"].clone();
         completion["prompt"] = body["token_ids"].clone();
         completion["return_token_ids"] = json!(true);
@@ -270,11 +352,11 @@ impl VllmEngine {
     }
 
     /// The body of one prompt's generation request.
-    fn request_body(&self, prompt: &[u32], index: usize, params: &SamplingParams) -> Value {
+    fn request_body(&self, prompt: &RemotePrompt, index: usize, params: &SamplingParams) -> Value {
         let s = &params.sampler;
         let stop = params.stop_ids(&self.eos_token_ids);
-        json!({
-            "token_ids": prompt,
+        let mut body = json!({
+            "token_ids": prompt.ids,
             "sampling_params": {
                 "n": params.n,
                 "max_tokens": params.max_new_tokens,
@@ -290,6 +372,43 @@ impl VllmEngine {
                 "detokenize": false,
                 "skip_special_tokens": false,
             },
+        });
+        if !prompt.content_parts.is_empty() {
+            body["content_parts"] = json!(prompt.content_parts);
+        }
+        body
+    }
+
+    /// A prompt as vLLM takes it: each image's run of pads back to the single pad the chat
+    /// template writes (vLLM expands it again from the image it processes itself; given the
+    /// expanded run it would expand every pad), and the images as `content_parts`.
+    fn remote_prompt(&self, ids: &[u32], images: &[PromptImage]) -> Result<RemotePrompt> {
+        if images.is_empty() {
+            return Ok(RemotePrompt {
+                ids: ids.to_vec(),
+                content_parts: Vec::new(),
+            });
+        }
+        let pad = self.image_token_id.ok_or_else(|| {
+            EngineError::InvalidRequest(
+                "an image prompt for a model without an image token (not a vision model)".into(),
+            )
+        })?;
+        let compact = collapse_image_pads(ids, pad);
+        let runs = compact.iter().filter(|&&t| t == pad).count();
+        if runs != images.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt has {runs} image placeholders for {} images",
+                images.len()
+            )));
+        }
+        let content_parts = images
+            .iter()
+            .map(|image| Ok(json!({"type": "image_url", "url": image_url(image)?})))
+            .collect::<Result<_>>()?;
+        Ok(RemotePrompt {
+            ids: compact,
+            content_parts,
         })
     }
 
@@ -375,6 +494,118 @@ impl VllmEngine {
         }
         Ok(())
     }
+
+    /// `sync = "nccl"`: joins the NCCL group on first use, then on every server
+    /// `/start_weight_update` → `/update_weights` (answered once the broadcasts it announces
+    /// have arrived, so it is open while they are sent) → `/finish_weight_update` with the
+    /// version.
+    fn broadcast_all(&mut self, policy: &dyn PolicyModel, version: WeightVersion) -> Result<()> {
+        let taken = self.broadcaster.get_mut().map(Option::take);
+        let mut broadcaster = taken.ok().flatten().ok_or_else(|| {
+            EngineError::InvalidRequest(
+                "sync = \"nccl\" needs an NCCL broadcaster, which only the CUDA build has; \
+                 use sync = \"disk\""
+                    .into(),
+            )
+        })?;
+        let sent = self.transfer(broadcaster.as_mut(), policy, version);
+        self.broadcaster = std::sync::Mutex::new(Some(broadcaster));
+        sent
+    }
+
+    fn transfer(
+        &mut self,
+        broadcaster: &mut dyn Broadcaster,
+        policy: &dyn PolicyModel,
+        version: WeightVersion,
+    ) -> Result<()> {
+        if !self.nccl_joined {
+            self.join_group(broadcaster)?;
+            self.nccl_joined = true;
+        }
+        let servers = self.spec.server_urls.len();
+        for server in 0..servers {
+            self.post(server, "/start_weight_update", Some(&json!({})))?;
+        }
+        let params = policy.named_parameters();
+        let update = weight_transfer::update_body(&params)?;
+        self.alongside_every_server("/update_weights", &update, || {
+            params
+                .iter()
+                .try_for_each(|(_, tensor)| broadcaster.broadcast(tensor))
+        })?;
+        let finish = weight_transfer::finish_body(version);
+        for server in 0..servers {
+            self.post(server, "/finish_weight_update", Some(&finish))?;
+        }
+        Ok(())
+    }
+
+    /// Asks every server how many workers it runs, then has them all join a new group (each
+    /// from its rank offset) while the trainer joins as rank 0.
+    fn join_group(&self, broadcaster: &mut dyn Broadcaster) -> Result<()> {
+        let workers = (0..self.spec.server_urls.len())
+            .map(|server| {
+                let answer = self.request(server, "GET", "/get_world_size", None, 0)?;
+                weight_transfer::world_size_of(&answer).ok_or_else(|| EngineError::Remote {
+                    url: format!("{}/get_world_size", self.spec.server_urls[server]),
+                    message: format!("expected {{\"world_size\": N ≥ 1}}, got {answer}"),
+                })
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        let (offsets, world_size) = weight_transfer::rank_offsets(&workers);
+        let id = broadcaster.unique_id()?;
+        let bodies: Vec<Value> = offsets
+            .iter()
+            .map(|&offset| weight_transfer::init_body(&id, offset, world_size))
+            .collect();
+        self.alongside_each_server("/init_weight_transfer_engine", &bodies, || {
+            broadcaster.join(&id, world_size)
+        })
+    }
+
+    /// Posts `body` to every server, each from its own thread, while `local` runs here: the
+    /// two halves of one collective. The first error of either side is the answer.
+    fn alongside_every_server(
+        &self,
+        path: &str,
+        body: &Value,
+        local: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let bodies = vec![body.clone(); self.spec.server_urls.len()];
+        self.alongside_each_server(path, &bodies, local)
+    }
+
+    /// [`Self::alongside_every_server`] with one body per server.
+    fn alongside_each_server(
+        &self,
+        path: &str,
+        bodies: &[Value],
+        local: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        std::thread::scope(|scope| {
+            let posts: Vec<_> = bodies
+                .iter()
+                .enumerate()
+                .map(|(server, body)| scope.spawn(move || self.post_once(server, path, body)))
+                .collect();
+            let here = local();
+            let answers = posts.into_iter().map(|p| {
+                p.join().unwrap_or_else(|_| {
+                    Err(EngineError::InvalidRequest(format!(
+                        "the {path} request thread panicked"
+                    )))
+                })
+            });
+            let mut first_error = here.err();
+            for answer in answers {
+                if let (None, Err(e)) = (&first_error, answer) {
+                    first_error = Some(e);
+                }
+            }
+            first_error.map_or(Ok(()), Err)
+        })
+    }
 }
 
 /// Ends `c` where the local engine would have: at the first token whose text completes a stop
@@ -397,6 +628,45 @@ fn cut_at_stop_string(c: &mut Completion, stops: &[String], tok: &Tokenizer) -> 
         }
     }
     Ok(())
+}
+
+/// `ids` with every run of `pad` shortened to one.
+fn collapse_image_pads(ids: &[u32], pad: u32) -> Vec<u32> {
+    let mut out: Vec<u32> = Vec::with_capacity(ids.len());
+    for &t in ids {
+        if !(t == pad && out.last() == Some(&pad)) {
+            out.push(t);
+        }
+    }
+    out
+}
+
+/// An image as a `data:` URL, which every server can read (a path may not exist there).
+fn image_url(image: &PromptImage) -> Result<String> {
+    use base64::Engine as _;
+    let Some(source) = &image.source else {
+        return Err(EngineError::InvalidRequest(
+            "an image made in memory has no file or data URL to send to a vLLM server".into(),
+        ));
+    };
+    if source.starts_with("data:") {
+        return Ok(source.clone());
+    }
+    let bytes = std::fs::read(source)
+        .map_err(|e| EngineError::InvalidRequest(format!("image {source}: {e}")))?;
+    let extension = std::path::Path::new(source)
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    let media_type = match extension.as_deref() {
+        Some("png") => "image/png",
+        Some("jpg" | "jpeg") => "image/jpeg",
+        Some("webp") => "image/webp",
+        Some("gif") => "image/gif",
+        _ => "image",
+    };
+    let payload = base64::engine::general_purpose::STANDARD.encode(bytes);
+    Ok(format!("data:{media_type};base64,{payload}"))
 }
 
 /// vLLM's in-place reload does not re-tie a tied `lm_head` to the embedding it reloads (it
@@ -505,13 +775,17 @@ impl Engine for VllmEngine {
         // Checked before any I/O; the engine takes the version only once the servers have it.
         let mut next = self.version;
         next.advance_to(version)?;
-        if self.spec.sync == WeightSync::None {
-            return Ok(());
+        match self.spec.sync {
+            WeightSync::None => return Ok(()),
+            WeightSync::Disk => {
+                let side_files = self.checkpoint_files.as_deref();
+                policy.save_with(&self.sync_dir, side_files, MAX_SHARD_BYTES, &|dir| {
+                    untied_lm_head(policy, dir)
+                })?;
+                self.reload_all(&self.sync_dir, version)?;
+            }
+            WeightSync::Nccl => self.broadcast_all(policy, version)?,
         }
-        policy.save_with(&self.sync_dir, None, MAX_SHARD_BYTES, &|dir| {
-            untied_lm_head(policy, dir)
-        })?;
-        self.reload_all(&self.sync_dir, version)?;
         self.version = next;
         Ok(())
     }
@@ -522,18 +796,33 @@ impl Engine for VllmEngine {
         images: &PromptImages,
         params: &SamplingParams,
     ) -> Result<Vec<Vec<Completion>>> {
-        if images.iter().any(|i| !i.is_empty()) {
-            return Err(EngineError::InvalidRequest(
-                "the vLLM backend takes text prompts only so far; image prompts need \
-                 backend = \"local\""
-                    .into(),
-            ));
-        }
         if !params.stop_strings.is_empty() && self.tokenizer.is_none() {
             return Err(EngineError::InvalidRequest(
                 "stop strings need a tokenizer, and the model has no tokenizer.json".into(),
             ));
         }
+        // No image lists at all: text prompts.
+        if !images.is_empty() && images.len() != prompts.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "{} image lists for {} prompts",
+                images.len(),
+                prompts.len()
+            )));
+        }
+        let prompts = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, ids)| {
+                let images = images.get(i).map_or(&[][..], Vec::as_slice);
+                self.remote_prompt(ids, images).map_err(|e| match e {
+                    EngineError::InvalidRequest(m) => {
+                        EngineError::InvalidRequest(format!("prompt {i}: {m}"))
+                    }
+                    other => other,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let prompts = &prompts;
         let servers = self.spec.server_urls.len();
         let this = &*self;
         // A bounded pool: at most MAX_REQUESTS_IN_FLIGHT per server, each taking the next
@@ -617,6 +906,10 @@ mod tests {
             version: WeightVersion(2),
             stats: std::sync::Mutex::new(vec![(0, 0.0, 0); 2]),
             use_completions: Default::default(),
+            broadcaster: Default::default(),
+            nccl_joined: false,
+            image_token_id: Some(9),
+            checkpoint_files: None,
         }
     }
 
@@ -636,7 +929,11 @@ mod tests {
             stop_strings: Vec::new(),
             ignore_eos: false,
         };
-        let body = engine().request_body(&[1, 2], 2, &params);
+        let prompt = RemotePrompt {
+            ids: vec![1, 2],
+            content_parts: Vec::new(),
+        };
+        let body = engine().request_body(&prompt, 2, &params);
         let sp = &body["sampling_params"];
         assert_eq!(body["token_ids"], json!([1, 2]));
         assert_eq!(sp["n"], 4);
@@ -702,6 +999,53 @@ mod tests {
         let mut none = c.clone();
         cut_at_stop_string(&mut none, &["#".to_string()], &tok).unwrap();
         assert_eq!(none, c, "no stop string, no change");
+    }
+
+    #[test]
+    fn an_image_prompt_goes_with_one_pad_per_image_and_its_pictures_as_data_urls() {
+        let dir = oxrl_fixtures::temp_dir("vllm-image-url");
+        let png = dir.join("a.png");
+        std::fs::write(&png, [1u8, 2, 3]).unwrap();
+        let image = |source: Option<String>| PromptImage {
+            pixels: Arc::new(oxrl_models::image::ProcessedImage {
+                pixel_values: Vec::new(),
+                grid_thw: [1, 2, 2],
+            }),
+            source,
+        };
+        let images = [
+            image(Some(png.display().to_string())),
+            image(Some("data:image/jpeg;base64,AAAA".into())),
+        ];
+        let ids = [1, 8, 9, 9, 9, 9, 4, 8, 9, 9, 4, 5];
+        let prompt = engine().remote_prompt(&ids, &images).unwrap();
+        assert_eq!(prompt.ids, vec![1, 8, 9, 4, 8, 9, 4, 5]);
+        assert_eq!(
+            prompt.content_parts,
+            vec![
+                json!({"type": "image_url", "url": "data:image/png;base64,AQID"}),
+                json!({"type": "image_url", "url": "data:image/jpeg;base64,AAAA"}),
+            ]
+        );
+        let body = engine().request_body(&prompt, 0, &SamplingParams::default());
+        assert_eq!(body["content_parts"], json!(prompt.content_parts));
+        let text = engine().request_body(
+            &engine().remote_prompt(&ids, &[]).unwrap(),
+            0,
+            &SamplingParams::default(),
+        );
+        assert!(text.get("content_parts").is_none());
+
+        let one = engine().remote_prompt(&ids, &images[..1]).unwrap_err();
+        assert!(
+            one.to_string()
+                .contains("2 image placeholders for 1 images"),
+            "{one}"
+        );
+        let unsaved = engine()
+            .remote_prompt(&[8, 9, 4], &[image(None)])
+            .unwrap_err();
+        assert!(unsaved.to_string().contains("made in memory"), "{unsaved}");
     }
 
     #[test]

@@ -159,6 +159,14 @@ fn vllm_spec(given: &Given, base: &Path) -> Result<VllmSpec, ConfigError> {
     let sync_name: String = given.value("rollout.sync");
     let sync = WeightSync::from_name(&sync_name)
         .ok_or_else(|| given.bad("rollout.sync", format!("unknown value \"{sync_name}\"")))?;
+    if sync == WeightSync::Nccl {
+        return Err(given.bad(
+            "rollout.sync",
+            "sync = \"nccl\" broadcasts the weights from the trainer's GPU, and this build of \
+             oxrl has no NCCL broadcaster (the request choreography is ready; the GPU transport \
+             is not): use sync = \"disk\"",
+        ));
+    }
     if sync == WeightSync::None && given.value::<u64>("trainer.max_staleness") == 0 {
         return Err(given.bad(
             "rollout.sync",
@@ -410,6 +418,24 @@ mod tests {
         assert_eq!(c.update.optimizer.lr, 2e-6);
         assert_eq!(c.batch_size, 8);
         assert_eq!(c.output_dir, PathBuf::from("runs/run"));
+    }
+
+    #[test]
+    fn vllm_sync_modes_this_build_cannot_honour_are_refused_at_load() {
+        let vllm = "[model]\npath = \"m\"\n[rollout]\nbackend = \"vllm\"\nserver_urls = [\"http://h:1\"]\n";
+        let disk = parse(vllm).unwrap().rollout.vllm.unwrap();
+        assert_eq!(disk.sync, WeightSync::Disk);
+        let nccl = parse(&format!("{vllm}sync = \"nccl\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            nccl.contains("rollout.sync") && nccl.contains("NCCL broadcaster"),
+            "{nccl}"
+        );
+        let none = parse(&format!("{vllm}sync = \"none\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(none.contains("max_staleness"), "{none}");
     }
 
     #[test]

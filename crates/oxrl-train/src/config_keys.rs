@@ -340,7 +340,7 @@ pub const KEYS: &[KeySpec] = table! {
     key("rollout", "stop", Kind::Strings, Value("[]"), "stop strings"),
     key("rollout", "backend", Kind::OneOf(|| vec![choice("local", "the engine in this process, sharing the trainer's weights"), choice("vllm", "vLLM servers (server_urls), token in, token out")]), Value("\"local\""), "where rollouts are sampled"),
     key("rollout", "server_urls", Kind::Strings, Value("[]"), "vllm: the servers' base URLs (http://host:port); each prompt's group goes to one, round-robin"),
-    key("rollout", "sync", Kind::OneOf(|| vec![choice("disk", "save the policy to sync_dir, each server reloads it"), choice("none", "the servers keep their start weights (off-policy: needs max_staleness)")]), Value("\"disk\""), "vllm: how the servers get the trainer's weights after each update"),
+    key("rollout", "sync", Kind::OneOf(|| vec![choice("disk", "save the policy to sync_dir, each server reloads it"), choice("nccl", "broadcast the weights GPU to GPU with vLLM's NCCL weight transfer (needs a GPU build with its broadcaster; refused today)"), choice("none", "the servers keep their start weights (off-policy: needs max_staleness)")]), Value("\"disk\""), "vllm: how the servers get the trainer's weights after each update"),
     key("rollout", "sync_dir", Kind::Str, Text("<output_dir>/sync-weights"), "vllm: where sync = \"disk\" saves the policy; every server must read it at this path"),
     key("rollout", "request_timeout_s", Kind::Float(Positive), Value("600.0"), "vllm: time limit of one request (a prompt's whole group)"),
     key("rollout", "max_retries", int(0), Value("3"), "vllm: retries of a request after a transport error or a 5xx, with doubling backoff"),

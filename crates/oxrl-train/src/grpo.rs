@@ -239,12 +239,21 @@ impl GrpoRun {
                 Some(tokenizer.clone()),
                 eos,
             )),
-            Some(spec) => Box::new(VllmEngine::connect(
-                spec.clone(),
-                &cfg.output_dir.join("sync-weights"),
-                Some(tokenizer.clone()),
-                eos,
-            )?),
+            Some(spec) => Box::new(
+                VllmEngine::connect(
+                    spec.clone(),
+                    &cfg.output_dir.join("sync-weights"),
+                    Some(tokenizer.clone()),
+                    eos,
+                )?
+                .with_image_token_id(
+                    trainer
+                        .policy
+                        .image_prompting()
+                        .map(|p| p.tokens.image_token_id),
+                )
+                .with_checkpoint_files(&model_dir),
+            ),
         };
         engine.sync_weights(trainer.policy.as_ref(), trainer.weight_version)?;
         let order = DataOrder::new(prompts.len(), cfg.seed, cfg.data.shuffle, cursor);
