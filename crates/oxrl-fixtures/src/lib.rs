@@ -180,3 +180,101 @@ impl Drop for ServeProcess {
         let _ = self.child.wait();
     }
 }
+
+/// A vLLM server (the CPU build in the pinned venv) on a free port, its process group killed
+/// when dropped.
+pub struct VllmProcess {
+    child: std::process::Child,
+    /// `http://127.0.0.1:<port>`.
+    pub url: String,
+}
+
+impl VllmProcess {
+    /// Starts `python -m vllm.entrypoints.openai.api_server` on `model` in dev mode with the
+    /// token route and processed log-probs, float32 and eager (`extra` adds flags), logging to
+    /// `log`; waits until `/health` answers. A server that exits or is not ready in 400 s fails
+    /// the test with the log's tail.
+    pub fn start(
+        python: &std::path::Path,
+        model: &std::path::Path,
+        log: &std::path::Path,
+        extra: &[&str],
+    ) -> Self {
+        use std::process::{Command, Stdio};
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let log_file = std::fs::File::create(log).expect("creating the vLLM log");
+        let child = Command::new("setsid")
+            .arg(python)
+            .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+            .arg(model)
+            .args([
+                "--enforce-eager",
+                "--dtype",
+                "float32",
+                "--max-num-seqs",
+                "32",
+            ])
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args([
+                "--enable-scale-out",
+                "--logprobs-mode",
+                "processed_logprobs",
+            ])
+            .args(extra)
+            .env("VLLM_SERVER_DEV_MODE", "1")
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("OMP_NUM_THREADS", "1")
+            .env("HF_HUB_OFFLINE", "1")
+            .stdout(log_file.try_clone().expect("the vLLM log"))
+            .stderr(log_file)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("setsid starts vLLM");
+        let mut server = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        };
+        let start = std::time::Instant::now();
+        loop {
+            let up = Command::new("curl")
+                .args(["-sf", "-m", "2", &format!("{}/health", server.url)])
+                .status()
+                .is_ok_and(|s| s.success());
+            if up {
+                return server;
+            }
+            if let Some(status) = server.child.try_wait().expect("polling vLLM") {
+                panic!(
+                    "vLLM exited ({status:?}) before it was ready:\n{}",
+                    tail(log)
+                );
+            }
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(400),
+                "vLLM was not ready after 400 s:\n{}",
+                tail(log)
+            );
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    }
+}
+
+impl Drop for VllmProcess {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &format!("-{}", self.child.id())])
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The last 40 lines of a log file, for a failure message.
+pub fn tail(path: &std::path::Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}

@@ -338,6 +338,48 @@ fn an_image_prompt_samples_what_generate_samples() {
     }
 }
 
+/// Past `--max-connections` requests in progress, another is answered 503 at once, and
+/// served again once one finishes.
+#[test]
+fn requests_past_the_connection_limit_get_503_until_one_finishes() {
+    use std::io::Write;
+    let server = serve(&["--model", s(&demo_policy()), "--max-connections", "1"]);
+    let models = format!("{}/v1/models", server.url);
+    assert_eq!(ureq::get(&models).call().unwrap().status(), 200);
+    // A request whose body never finishes arriving holds the one connection (large enough
+    // that tiny_http hands it over before the body, as it does not for bodies under 1 KiB).
+    let address = server.url.trim_start_matches("http://");
+    let mut slow = std::net::TcpStream::connect(address).unwrap();
+    write!(
+        slow,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: 100000\r\n\r\n{{\"prompt\": "
+    )
+    .unwrap();
+    slow.flush().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let refused = loop {
+        match ureq::get(&models).call() {
+            Err(ureq::Error::Status(503, r)) => break r.into_json::<Value>().unwrap(),
+            _ if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            other => panic!("expected 503 while the slow request is open, got {other:?}"),
+        }
+    };
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(message.contains("--max-connections"), "{message}");
+    drop(slow);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while ureq::get(&models).call().is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot was never freed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn the_metrics_endpoint_reports_requests_tokens_and_latency() {
     let server = serve(&["--model", s(&demo_policy())]);
@@ -366,17 +408,20 @@ fn the_metrics_endpoint_reports_requests_tokens_and_latency() {
     assert_metric(&server.url, "oxrl_serve_queue_depth", 0.0);
 }
 
-fn train_config(dir: &Path, name: &str, url: &str, sync: &str) -> PathBuf {
-    oxrl_fixtures::demo_config(
-        "arithmetic",
-        &dir.join(format!("{name}.toml")),
-        &[(
-            "[rollout]\n",
-            &format!(
-                "[rollout]\nbackend = \"vllm\"\nserver_urls = [\"{url}\"]\nsync = \"{sync}\"\n"
-            ),
-        )],
-    )
+/// A demo's config with rollouts on the server at `url`, `edits` applied as
+/// [`oxrl_fixtures::demo_config`] does.
+fn train_config(
+    demo: &str,
+    dir: &Path,
+    name: &str,
+    (url, sync): (&str, &str),
+    edits: &[(&str, &str)],
+) -> PathBuf {
+    let rollout =
+        format!("[rollout]\nbackend = \"vllm\"\nserver_urls = [\"{url}\"]\nsync = \"{sync}\"\n");
+    let mut all = vec![("[rollout]\n", rollout.as_str())];
+    all.extend_from_slice(edits);
+    oxrl_fixtures::demo_config(demo, &dir.join(format!("{name}.toml")), &all)
 }
 
 fn train(config: &Path, out: &Path) -> Vec<Value> {
@@ -403,7 +448,7 @@ fn grpo_through_the_token_route_syncs_weights_through_disk() {
     let server = serve(&["--model", s(&demo_policy()), "--control-routes"]);
     let synced_out = dir.join("disk");
     let synced = train(
-        &train_config(&dir, "disk", &server.url, "disk"),
+        &train_config("arithmetic", &dir, "disk", (&server.url, "disk"), &[]),
         &synced_out,
     );
     for (i, m) in synced.iter().enumerate() {
@@ -428,7 +473,7 @@ fn grpo_through_the_token_route_syncs_weights_through_disk() {
     // A fresh server, never synced: the trainer moves away from it.
     drop(server);
     let server = serve(&["--model", s(&demo_policy()), "--control-routes"]);
-    let stale_config = train_config(&dir, "none", &server.url, "none");
+    let stale_config = train_config("arithmetic", &dir, "none", (&server.url, "none"), &[]);
     let text = std::fs::read_to_string(&stale_config)
         .unwrap()
         .replace("[trainer]\n", "[trainer]\nmax_staleness = 10\n");
@@ -453,6 +498,43 @@ fn grpo_through_the_token_route_syncs_weights_through_disk() {
             .iter()
             .map(|m| m["time/weight_sync"].as_f64().unwrap())
             .collect::<Vec<_>>()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The vision demo through the token route, as vLLM is sent it: each image's pads as one pad
+/// and the picture as `content_parts`; the server expands them again and its log-probs are the
+/// trainer's.
+#[test]
+fn grpo_with_image_prompts_through_the_token_route() {
+    let dir = temp_dir("serve-grpo-vl");
+    let vl = repo().join("examples/shapes/policy");
+    let server = serve(&["--model", s(&vl), "--control-routes"]);
+    let edits = [
+        ("batch_size = 16", "batch_size = 2"),
+        ("eval_every = 20", "eval_every = 0"),
+    ];
+    let config = train_config("shapes", &dir, "vl", (&server.url, "disk"), &edits);
+    let steps = train(&config, &dir.join("out"));
+    assert_eq!(steps.len(), 3);
+    for (i, m) in steps.iter().enumerate() {
+        let diff = m["rollout_logprob_diff"].as_f64().unwrap();
+        assert!(diff <= 1e-5, "step {}: rollout_logprob_diff {diff}", i + 1);
+    }
+    assert_eq!(metric(&server.url, "oxrl_serve_weight_version"), 3.0);
+
+    // Weights whose checkpoint would process images differently are refused, not served.
+    let bare = dir.join("no-processor");
+    std::fs::create_dir_all(&bare).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(vl.join(file), bare.join(file)).unwrap();
+    }
+    let rpc = json!({"method": "reload_weights", "kwargs": {"weights_path": s(&bare)}});
+    let (status, answer) = post(&format!("{}/collective_rpc", server.url), &rpc);
+    assert!(status >= 400, "{status} {answer}");
+    assert!(
+        answer.to_string().contains("processes images differently"),
+        "{answer}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }

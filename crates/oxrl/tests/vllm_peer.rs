@@ -6,12 +6,11 @@
 //! which shows the sync really moved the weights.
 
 use candle_core::{DType, Device};
-use oxrl_fixtures::{repo, temp_dir};
+use oxrl_fixtures::{repo, temp_dir, VllmProcess};
 use oxrl_models::Qwen3;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -32,97 +31,6 @@ fn policy(root: &Path) -> PathBuf {
         .save(&dir, Some(&repo().join("examples/arithmetic/policy")))
         .unwrap();
     dir
-}
-
-/// A vLLM server on a free port, killed when dropped.
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &format!("-{}", self.child.id())])
-            .status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn start_vllm(python: &Path, model: &Path, log: &Path) -> Server {
-    let port = free_port();
-    let log_file = std::fs::File::create(log).unwrap();
-    let child = Command::new("setsid")
-        .arg(python)
-        .args([
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            s(model),
-        ])
-        .args([
-            "--skip-tokenizer-init",
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-        ])
-        .args(["--max-model-len", "128", "--max-num-seqs", "32"])
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args([
-            "--enable-scale-out",
-            "--logprobs-mode",
-            "processed_logprobs",
-        ])
-        .env("VLLM_SERVER_DEV_MODE", "1")
-        .env("VLLM_CPU_KVCACHE_SPACE", "1")
-        .env("OMP_NUM_THREADS", "1")
-        .env("HF_HUB_OFFLINE", "1")
-        .stdout(log_file.try_clone().unwrap())
-        .stderr(log_file)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("setsid starts vLLM");
-    let mut server = Server {
-        child,
-        url: format!("http://127.0.0.1:{port}"),
-    };
-    let start = Instant::now();
-    loop {
-        let up = Command::new("curl")
-            .args(["-sf", "-m", "2", &format!("{}/health", server.url)])
-            .status()
-            .is_ok_and(|s| s.success());
-        if up {
-            return server;
-        }
-        if let Some(status) = server.child.try_wait().unwrap() {
-            panic!(
-                "vLLM exited ({status:?}) before it was ready:\n{}",
-                tail(log)
-            );
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(400),
-            "vLLM was not ready after 400 s:\n{}",
-            tail(log)
-        );
-        std::thread::sleep(Duration::from_secs(1));
-    }
-}
-
-fn tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(40)..].join("\n")
 }
 
 fn config(dir: &Path, name: &str, policy: &Path, url: &str, sync: &str) -> PathBuf {
@@ -166,7 +74,9 @@ fn grpo_on_a_vllm_server_syncs_weights_through_disk() {
     let python = oxrl_fixtures::peer_python();
     let dir = temp_dir("vllm-peer");
     let policy = policy(&dir);
-    let server = start_vllm(&python, &policy, &dir.join("vllm.log"));
+    let log = dir.join("vllm.log");
+    let flags = ["--skip-tokenizer-init", "--max-model-len", "128"];
+    let server = VllmProcess::start(&python, &policy, &log, &flags);
 
     // Without sync the server samples from the start weights while the trainer moves on.
     let stale = train(

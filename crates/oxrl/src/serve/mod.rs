@@ -135,14 +135,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
             continue;
         }
         open.fetch_add(1, Relaxed);
-        let (server, open) = (server.clone(), open.clone());
+        let (server, held) = (server.clone(), open.clone());
         let spawned = std::thread::Builder::new()
             .name("connection".into())
             .spawn(move || {
                 server.handle(request);
-                open.fetch_sub(1, Relaxed);
+                held.fetch_sub(1, Relaxed);
             });
         if let Err(e) = spawned {
+            // The request went down with the closure (its client sees the connection close).
+            open.fetch_sub(1, Relaxed);
             oxrl_train::note!("serve: could not start a connection thread: {e}");
         }
     }
@@ -295,13 +297,6 @@ impl Server {
         let base = self.media_dir.clone().unwrap_or_default();
         let sources = prompt_image_sources(None, Some(messages), &base)
             .map_err(|e| ApiError::field("messages", e))?;
-        for s in &sources {
-            self.check_media(s)?;
-        }
-        let model = self.scheduler.model();
-        let images = model
-            .prepare_images(&sources)
-            .map_err(|e| ApiError::field("messages", e))?;
         let kwargs = openai::template_kwargs(body)?;
         let text = tok
             .apply_chat_template(&image_placeholders(messages), true, &kwargs)
@@ -309,20 +304,44 @@ impl Server {
         let ids = tok
             .encode(&text)
             .map_err(|e| ApiError::field("messages", e))?;
+        self.with_images(ids, &sources, "messages")
+    }
+
+    /// A prompt with its images processed and their pads expanded; `field` is what errors
+    /// name.
+    fn with_images(
+        &self,
+        ids: Vec<u32>,
+        sources: &[ImageSource],
+        field: &str,
+    ) -> Result<Prompt, ApiError> {
+        if sources.is_empty() {
+            return Ok(Prompt {
+                ids,
+                images: Vec::new(),
+            });
+        }
+        for s in sources {
+            self.check_media(s, field)?;
+        }
+        let model = self.scheduler.model();
+        let images = model
+            .prepare_images(sources)
+            .map_err(|e| ApiError::field(field, e))?;
         let ids = model
             .expand_image_pads(&ids, &images)
-            .map_err(|e| ApiError::field("messages", e))?;
+            .map_err(|e| ApiError::field(field, e))?;
         Ok(Prompt { ids, images })
     }
 
     /// An image named by path must lie in `--allowed-media-dir`.
-    fn check_media(&self, source: &ImageSource) -> Result<(), ApiError> {
+    fn check_media(&self, source: &ImageSource, field: &str) -> Result<(), ApiError> {
         let ImageSource::Path(path) = source else {
             return Ok(());
         };
         let Some(dir) = &self.media_dir else {
             return Err(ApiError::field(
-                "messages",
+                field,
                 "images by path need the server started with --allowed-media-dir; send a data \
                  URL instead",
             ));
@@ -330,13 +349,10 @@ impl Server {
         match path.canonicalize() {
             Ok(p) if p.starts_with(dir) => Ok(()),
             Ok(_) => Err(ApiError::field(
-                "messages",
+                field,
                 format!("{} is outside --allowed-media-dir", path.display()),
             )),
-            Err(e) => Err(ApiError::field(
-                "messages",
-                format!("{}: {e}", path.display()),
-            )),
+            Err(e) => Err(ApiError::field(field, format!("{}: {e}", path.display()))),
         }
     }
 
@@ -550,7 +566,10 @@ impl Server {
     /// vLLM's `/inference/v1/generate`: token ids in, token ids with log-probs and the weight
     /// versions that sampled them out.
     fn generate_tokens(&self, request: tiny_http::Request, body: &Map<String, Value>) -> u16 {
-        let prepared = token_route::request(body).and_then(|(ids, mut params)| {
+        let base = self.media_dir.clone().unwrap_or_default();
+        let prepared = token_route::request(body, &base).and_then(|request| {
+            let prompt = self.with_images(request.ids, &request.images, "content_parts")?;
+            let (ids, mut params) = (prompt.ids, request.params);
             if ids.len() >= self.context {
                 return Err(ApiError::bad_request(format!(
                     "the prompt has {} tokens; the model's context is {}",
@@ -561,7 +580,7 @@ impl Server {
             params.max_new_tokens = params.max_new_tokens.min(self.context - ids.len());
             let prompts = vec![Prompt {
                 ids,
-                images: Vec::new(),
+                images: prompt.images,
             }];
             self.scheduler
                 .validate(&prompts, &params)

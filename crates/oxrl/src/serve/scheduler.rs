@@ -293,6 +293,16 @@ fn reload(
             old.vocab_size()
         ));
     }
+    // vLLM's reload_weights keeps the processor it started with; a checkpoint that would
+    // process images differently (one saved without its preprocessor_config.json) would make
+    // the server's prompts differ from the trainer's, silently.
+    if fresh.image_prompting() != old.image_prompting() {
+        return Err(format!(
+            "{} processes images differently from the served model (its \
+             preprocessor_config.json or vision token ids differ, or are missing)",
+            dir.display()
+        ));
+    }
     let version = batcher.version();
     batcher
         .set_model(Arc::from(fresh), version)

@@ -3,13 +3,23 @@
 
 use super::http::ApiError;
 use super::openai::token_ids;
+use oxrl_models::ImageSource;
 use oxrl_rollout::{Completion, SamplerConfig, SamplingParams, VersionSpan, WeightVersion};
 use serde_json::{json, Map, Value};
+use std::path::Path;
 
-/// The prompt ids and sampling settings of a generate request:
-/// `{token_ids, sampling_params: {n, max_tokens, temperature, top_p, top_k, min_p, seed,
-/// stop_token_ids, ignore_eos, logprobs, ...}}`.
-pub fn request(body: &Map<String, Value>) -> Result<(Vec<u32>, SamplingParams), ApiError> {
+/// A generate request: `{token_ids, content_parts?, sampling_params: {n, max_tokens,
+/// temperature, top_p, top_k, min_p, seed, stop_token_ids, ignore_eos, logprobs, ...}}`.
+pub struct GenerateRequest {
+    /// The prompt; an image's pads may be one pad (as the chat template writes it, and as
+    /// vLLM takes it) or already expanded.
+    pub ids: Vec<u32>,
+    /// The `image_url` items of `content_parts`, in prompt order (paths relative to `base`).
+    pub images: Vec<ImageSource>,
+    pub params: SamplingParams,
+}
+
+pub fn request(body: &Map<String, Value>, base: &Path) -> Result<GenerateRequest, ApiError> {
     let ids = body
         .get("token_ids")
         .ok_or_else(|| ApiError::field("token_ids", "is required"))
@@ -17,10 +27,11 @@ pub fn request(body: &Map<String, Value>) -> Result<(Vec<u32>, SamplingParams), 
     if body.get("features").is_some_and(|f| !f.is_null()) {
         return Err(ApiError::field(
             "features",
-            "image features are not taken by oxrl serve's token route: send image prompts to \
-             /v1/chat/completions",
+            "pre-processed image features are not taken by oxrl serve: send the images as \
+             content_parts ({\"type\": \"image_url\", \"url\": ...})",
         ));
     }
+    let images = content_parts(body.get("content_parts"), base)?;
     let empty = Map::new();
     let sp = match body.get("sampling_params") {
         None | Some(Value::Null) => &empty,
@@ -99,7 +110,46 @@ pub fn request(body: &Map<String, Value>) -> Result<(Vec<u32>, SamplingParams), 
             .and_then(Value::as_bool)
             .unwrap_or(false),
     };
-    Ok((ids, params))
+    Ok(GenerateRequest {
+        ids,
+        images,
+        params,
+    })
+}
+
+/// The images of vLLM's `content_parts`: `[{"type": "image_url", "url": "data:..." or a path}]`.
+fn content_parts(parts: Option<&Value>, base: &Path) -> Result<Vec<ImageSource>, ApiError> {
+    let parts = match parts {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(other) => {
+            return Err(ApiError::field(
+                "content_parts",
+                format!("expected a list of parts, got {other}"),
+            ))
+        }
+    };
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, part)| {
+            let field = format!("content_parts[{i}]");
+            match (part.get("type").and_then(Value::as_str), part.get("url")) {
+                (Some("image_url"), Some(Value::String(url))) => {
+                    Ok(ImageSource::from_reference(url, base))
+                }
+                (Some("image_url"), _) => Err(ApiError::field(&field, "needs a `url` string")),
+                (kind, _) => Err(ApiError::field(
+                    &field,
+                    format!(
+                        "oxrl serve takes image parts ({{\"type\": \"image_url\", \"url\": ...}}), \
+                         got type {}",
+                        kind.unwrap_or("(none)")
+                    ),
+                )),
+            }
+        })
+        .collect()
 }
 
 /// One choice of the answer, as vLLM writes it.
@@ -172,23 +222,54 @@ mod tests {
 
     #[test]
     fn a_vllm_request_becomes_sampling_params() {
-        let (ids, p) = request(&body(json!({
-            "token_ids": [1, 2],
-            "sampling_params": {"n": 4, "max_tokens": 9, "temperature": 0.7, "top_p": 0.9,
-                "top_k": -1, "min_p": 0.05, "seed": 11, "stop_token_ids": [3],
-                "ignore_eos": false, "logprobs": 0, "detokenize": false}
-        })))
+        let base = Path::new("/media");
+        let r = request(
+            &body(json!({
+                "token_ids": [1, 2],
+                "sampling_params": {"n": 4, "max_tokens": 9, "temperature": 0.7, "top_p": 0.9,
+                    "top_k": -1, "min_p": 0.05, "seed": 11, "stop_token_ids": [3],
+                    "ignore_eos": false, "logprobs": 0, "detokenize": false}
+            })),
+            base,
+        )
         .unwrap();
-        assert_eq!(ids, vec![1, 2]);
+        let p = &r.params;
+        assert_eq!(r.ids, vec![1, 2]);
+        assert!(r.images.is_empty());
         assert_eq!((p.n, p.max_new_tokens, p.seed), (4, 9, 11));
         assert_eq!(p.sampler.top_k, 0);
         assert_eq!(p.stop_token_ids, vec![3]);
-        let e = request(&body(
-            json!({"token_ids": [1], "sampling_params": {"n": 0}}),
-        ))
-        .unwrap_err();
+        let e = request(
+            &body(json!({"token_ids": [1], "sampling_params": {"n": 0}})),
+            base,
+        )
+        .err()
+        .unwrap();
         assert_eq!(e.param.as_deref(), Some("sampling_params.n"));
-        assert!(request(&body(json!({"token_ids": [-1]}))).is_err());
+        assert!(request(&body(json!({"token_ids": [-1]})), base).is_err());
+    }
+
+    #[test]
+    fn content_parts_name_the_images_in_order() {
+        let base = Path::new("/media");
+        let r = request(
+            &body(json!({"token_ids": [1], "content_parts": [
+                {"type": "image_url", "url": "data:image/png;base64,AA=="},
+                {"type": "image_url", "url": "a.png"}]})),
+            base,
+        )
+        .unwrap();
+        assert_eq!(
+            r.images,
+            vec![
+                ImageSource::Base64("data:image/png;base64,AA==".into()),
+                ImageSource::Path("/media/a.png".into()),
+            ]
+        );
+        let audio = json!({"token_ids": [1], "content_parts": [{"type": "audio_url", "url": "x"}]});
+        let e = request(&body(audio), base).err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("content_parts[0]"));
+        assert!(e.message.contains("audio_url"), "{}", e.message);
     }
 
     #[test]
