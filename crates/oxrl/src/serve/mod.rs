@@ -297,6 +297,7 @@ impl Server {
         let base = self.media_dir.clone().unwrap_or_default();
         let sources = prompt_image_sources(None, Some(messages), &base)
             .map_err(|e| ApiError::field("messages", e))?;
+        self.check_media(&sources, "messages")?;
         let kwargs = openai::template_kwargs(body)?;
         let text = tok
             .apply_chat_template(&image_placeholders(messages), true, &kwargs)
@@ -307,8 +308,8 @@ impl Server {
         self.with_images(ids, &sources, "messages")
     }
 
-    /// A prompt with its images processed and their pads expanded; `field` is what errors
-    /// name.
+    /// A prompt with its images (checked by [`Self::check_media`]) processed and their pads
+    /// expanded; `field` is what errors name.
     fn with_images(
         &self,
         ids: Vec<u32>,
@@ -321,9 +322,6 @@ impl Server {
                 images: Vec::new(),
             });
         }
-        for s in sources {
-            self.check_media(s, field)?;
-        }
         let model = self.scheduler.model();
         let images = model
             .prepare_images(sources)
@@ -334,8 +332,14 @@ impl Server {
         Ok(Prompt { ids, images })
     }
 
-    /// An image named by path must lie in `--allowed-media-dir`.
-    fn check_media(&self, source: &ImageSource, field: &str) -> Result<(), ApiError> {
+    /// Images named by path must lie in `--allowed-media-dir`.
+    fn check_media(&self, sources: &[ImageSource], field: &str) -> Result<(), ApiError> {
+        sources
+            .iter()
+            .try_for_each(|source| self.check_one_medium(source, field))
+    }
+
+    fn check_one_medium(&self, source: &ImageSource, field: &str) -> Result<(), ApiError> {
         let ImageSource::Path(path) = source else {
             return Ok(());
         };
@@ -568,6 +572,7 @@ impl Server {
     fn generate_tokens(&self, request: tiny_http::Request, body: &Map<String, Value>) -> u16 {
         let base = self.media_dir.clone().unwrap_or_default();
         let prepared = token_route::request(body, &base).and_then(|request| {
+            self.check_media(&request.images, "content_parts")?;
             let prompt = self.with_images(request.ids, &request.images, "content_parts")?;
             let (ids, mut params) = (prompt.ids, request.params);
             if ids.len() >= self.context {
