@@ -6,6 +6,8 @@
 pub mod batch;
 pub mod engine;
 pub mod local;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod sampler;
 pub mod vllm;
 pub mod weight_transfer;

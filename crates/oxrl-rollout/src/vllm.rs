@@ -170,6 +170,11 @@ impl VllmEngine {
         })
     }
 
+    /// How the servers get the weights.
+    pub fn sync(&self) -> WeightSync {
+        self.spec.sync
+    }
+
     /// The model's image pad token, so that image prompts can be sent (vision models).
     pub fn with_image_token_id(mut self, id: Option<u32>) -> Self {
         self.image_token_id = id;

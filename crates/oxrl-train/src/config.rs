@@ -159,12 +159,11 @@ fn vllm_spec(given: &Given, base: &Path) -> Result<VllmSpec, ConfigError> {
     let sync_name: String = given.value("rollout.sync");
     let sync = WeightSync::from_name(&sync_name)
         .ok_or_else(|| given.bad("rollout.sync", format!("unknown value \"{sync_name}\"")))?;
-    if sync == WeightSync::Nccl {
+    if sync == WeightSync::Nccl && !cfg!(feature = "cuda") {
         return Err(given.bad(
             "rollout.sync",
-            "sync = \"nccl\" broadcasts the weights from the trainer's GPU, and this build of \
-             oxrl has no NCCL broadcaster (the request choreography is ready; the GPU transport \
-             is not): use sync = \"disk\"",
+            "sync = \"nccl\" broadcasts the weights from the trainer's GPU, and this oxrl was \
+             built without CUDA (cargo build --release --features cuda): use sync = \"disk\"",
         ));
     }
     if sync == WeightSync::None && given.value::<u64>("trainer.max_staleness") == 0 {
@@ -425,13 +424,16 @@ mod tests {
         let vllm = "[model]\npath = \"m\"\n[rollout]\nbackend = \"vllm\"\nserver_urls = [\"http://h:1\"]\n";
         let disk = parse(vllm).unwrap().rollout.vllm.unwrap();
         assert_eq!(disk.sync, WeightSync::Disk);
-        let nccl = parse(&format!("{vllm}sync = \"nccl\"\n"))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            nccl.contains("rollout.sync") && nccl.contains("NCCL broadcaster"),
-            "{nccl}"
-        );
+        let nccl = parse(&format!("{vllm}sync = \"nccl\"\n"));
+        if cfg!(feature = "cuda") {
+            assert_eq!(nccl.unwrap().rollout.vllm.unwrap().sync, WeightSync::Nccl);
+        } else {
+            let e = nccl.unwrap_err().to_string();
+            assert!(
+                e.contains("rollout.sync") && e.contains("--features cuda"),
+                "{e}"
+            );
+        }
         let none = parse(&format!("{vllm}sync = \"none\"\n"))
             .unwrap_err()
             .to_string();
