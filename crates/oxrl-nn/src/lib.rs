@@ -4,5 +4,7 @@
 
 pub mod exp;
 pub mod logprob;
+#[cfg(feature = "cuda")]
+mod logprob_cuda;
 
 pub use logprob::{logprob_entropy, target_logprobs};

@@ -3,9 +3,15 @@
 //! row without gradient. candle's generic `log_softmax` + `gather` makes six passes and keeps
 //! `[N, vocab]` intermediates for its backward; with a 151,936-token vocabulary that was most of
 //! a GRPO step.
+//!
+//! On a GPU (the `cuda` feature) the same formulas run as `logprob.cu`'s kernels
+//! ([`crate::logprob_cuda`]), for f32 or bf16 logits with f32 sums; these CPU functions are
+//! their reference.
 
 use crate::exp::{exp_shifted, max_of, sums_shifted};
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
 fn f32_rows<'a>(s: &'a CpuStorage, l: &Layout) -> Result<(&'a [f32], usize, usize)> {
@@ -57,6 +63,17 @@ impl CustomOp2 for TargetLogprob {
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        crate::logprob_cuda::target_logprobs_fwd(s1, l1, s2, l2)
+    }
+
     fn bwd(
         &self,
         logits: &Tensor,
@@ -64,36 +81,60 @@ impl CustomOp2 for TargetLogprob {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let logits = logits.contiguous()?;
-        let (g, lp, t) = (
-            grad_res.to_vec1::<f32>()?,
-            res.to_vec1::<f32>()?,
-            targets.to_vec1::<u32>()?,
-        );
-        let (n, v) = logits.dims2()?;
-        let (storage, layout) = logits.storage_and_layout();
-        let Storage::Cpu(cpu) = &*storage else {
-            candle_core::bail!("target-logprob: the backward runs on the CPU");
-        };
-        let (x, _, _) = f32_rows(cpu, layout)?;
-        let mut grad = vec![0f32; n * v];
-        grad.par_chunks_mut(v).enumerate().for_each(|(i, out)| {
-            let row = &x[i * v..(i + 1) * v];
-            // ln Σ exp(z) = z_t − logp_t: the softmax needs no second reduction.
-            let lse = row[t[i] as usize] - lp[i];
-            exp_shifted(out, row, lse, 1.0);
-            for o in out.iter_mut() {
-                *o *= -g[i];
+        let grad = match logits.device() {
+            Device::Cpu => cpu_grad(logits, targets, res, grad_res)?,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                crate::logprob_cuda::target_logprobs_bwd(logits, targets, res, grad_res)?
             }
-            out[t[i] as usize] += g[i];
-        });
-        drop(storage);
-        Ok((Some(Tensor::from_vec(grad, (n, v), logits.device())?), None))
+            other => candle_core::bail!("target-logprob: no backward on {other:?}"),
+        };
+        Ok((Some(grad), None))
     }
 }
 
-/// Differentiable `log_softmax(logits)[targets]` of `[N, V]` f32 CPU logits, `[N]` out.
+/// `g_i·(1[j = t_i] − softmax(z_i)_j)` for every f32 logit on the CPU.
+fn cpu_grad(logits: &Tensor, targets: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Tensor> {
+    let logits = logits.contiguous()?;
+    let (g, lp, t) = (
+        grad_res.to_vec1::<f32>()?,
+        res.to_vec1::<f32>()?,
+        targets.to_vec1::<u32>()?,
+    );
+    let (n, v) = logits.dims2()?;
+    let (storage, layout) = logits.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("target-logprob: the backward runs on the CPU");
+    };
+    let (x, _, _) = f32_rows(cpu, layout)?;
+    let mut grad = vec![0f32; n * v];
+    grad.par_chunks_mut(v).enumerate().for_each(|(i, out)| {
+        let row = &x[i * v..(i + 1) * v];
+        // ln Σ exp(z) = z_t − logp_t: the softmax needs no second reduction.
+        let lse = row[t[i] as usize] - lp[i];
+        exp_shifted(out, row, lse, 1.0);
+        for o in out.iter_mut() {
+            *o *= -g[i];
+        }
+        out[t[i] as usize] += g[i];
+    });
+    drop(storage);
+    Tensor::from_vec(grad, (n, v), logits.device())
+}
+
+/// Refuses targets that do not index a row each, before any kernel reads them.
+fn check_targets(op: &str, logits: &Tensor, targets: &[u32]) -> Result<(usize, usize)> {
+    let (n, v) = logits.dims2()?;
+    if targets.len() != n || targets.iter().any(|&i| i as usize >= v) {
+        candle_core::bail!("{op}: {} targets for {n} rows of {v}", targets.len());
+    }
+    Ok((n, v))
+}
+
+/// Differentiable `log_softmax(logits)[targets]` of `[N, V]` logits (f32 on a CPU; f32 or
+/// bf16 on a GPU), `[N]` f32 out.
 pub fn target_logprobs(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    check_targets("target-logprob", logits, targets)?;
     let t = Tensor::new(targets, logits.device())?;
     logits.contiguous()?.apply_op2(&t, TargetLogprob)
 }
@@ -105,14 +146,12 @@ pub fn logprob_entropy(
     targets: &[u32],
     with_entropy: bool,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    let logits = logits.contiguous()?;
-    let (n, v) = logits.dims2()?;
-    if targets.len() != n || targets.iter().any(|&i| i as usize >= v) {
-        candle_core::bail!(
-            "logprob-entropy: {} targets for {n} rows of {v}",
-            targets.len()
-        );
+    let (n, v) = check_targets("logprob-entropy", logits, targets)?;
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda() {
+        return crate::logprob_cuda::logprob_entropy_to_host(logits, targets, with_entropy);
     }
+    let logits = logits.contiguous()?;
     let (storage, layout) = logits.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
         candle_core::bail!("logprob-entropy runs on the CPU");
