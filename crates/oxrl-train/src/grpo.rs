@@ -39,7 +39,8 @@ fn dtype(name: &str) -> DType {
 }
 
 /// Builds the policy trainer of a run: the policy (from `policy_dir`) on the run's device, the
-/// reference model when `kl_coef > 0` (default: the policy's initial weights), AdamW.
+/// reference model when `kl_coef > 0` (default: the policy's initial weights), AdamW with f32
+/// master weights read from `policy_dir` (a bf16 policy computes with their rounding).
 pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path, device: &Device) -> Result<PolicyTrainer> {
     let dt = dtype(&cfg.dtype);
     let mut policy = load_policy(policy_dir, dt, device)?;
@@ -54,6 +55,7 @@ pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path, device: &Device) -> Res
     let mut trainer =
         PolicyTrainer::new(policy, reference, cfg.algorithm.clone(), cfg.update.clone())?;
     trainer.max_staleness = cfg.max_staleness;
+    trainer.master_weights_from(policy_dir)?;
     Ok(trainer)
 }
 
@@ -239,8 +241,8 @@ impl GrpoRun {
                 Some(tokenizer.clone()),
                 eos,
             )),
-            Some(spec) => Box::new(
-                VllmEngine::connect(
+            Some(spec) => {
+                let remote = VllmEngine::connect(
                     spec.clone(),
                     &cfg.output_dir.join("sync-weights"),
                     Some(tokenizer.clone()),
@@ -252,8 +254,9 @@ impl GrpoRun {
                         .image_prompting()
                         .map(|p| p.tokens.image_token_id),
                 )
-                .with_checkpoint_files(&model_dir),
-            ),
+                .with_checkpoint_files(&model_dir);
+                Box::new(with_nccl(remote, trainer.policy.device())?)
+            }
         };
         engine.sync_weights(trainer.policy.as_ref(), trainer.weight_version)?;
         let order = DataOrder::new(prompts.len(), cfg.seed, cfg.data.shuffle, cursor);
@@ -684,4 +687,26 @@ pub fn replay(cfg: &RunConfig, rollouts: &Path) -> Result<BTreeMap<String, f64>>
     };
     state::save(&cfg.output_dir, &trainer, &s, Some(&model_dir))?;
     Ok(m)
+}
+
+/// `sync = "nccl"`: the CUDA build's broadcaster, on the policy's GPU.
+#[cfg(feature = "cuda")]
+fn with_nccl(
+    engine: VllmEngine,
+    device: &candle_core::Device,
+) -> std::result::Result<VllmEngine, oxrl_rollout::EngineError> {
+    if engine.sync() != oxrl_rollout::WeightSync::Nccl {
+        return Ok(engine);
+    }
+    let gpu = oxrl_rollout::nccl::NcclBroadcaster::new(device)?;
+    Ok(engine.with_broadcaster(Box::new(gpu)))
+}
+
+/// A CPU build never gets here with `sync = "nccl"`: the config refuses it.
+#[cfg(not(feature = "cuda"))]
+fn with_nccl(
+    engine: VllmEngine,
+    _device: &candle_core::Device,
+) -> std::result::Result<VllmEngine, oxrl_rollout::EngineError> {
+    Ok(engine)
 }

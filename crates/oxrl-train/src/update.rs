@@ -242,6 +242,53 @@ impl PolicyTrainer {
         Ok(trainer)
     }
 
+    /// Mixed precision: the optimizer's f32 master weights from the checkpoint in `dir` (the one
+    /// the policy was loaded from) instead of the policy's own values, so that a bf16 policy
+    /// trains full-precision weights whose bf16 rounding it computes with — a step of 1e-3 on a
+    /// weight near 1 is below bf16's spacing there (2⁻⁸) and would otherwise be lost. Nothing
+    /// to do for an f32 policy.
+    pub fn master_weights_from(&mut self, dir: &std::path::Path) -> Result<()> {
+        if self.optimizer.steps() > 0 {
+            return Err(TrainError::Invalid(
+                "master weights are taken from a checkpoint before the first step only".into(),
+            ));
+        }
+        if self
+            .vars
+            .iter()
+            .all(|(_, v)| v.as_tensor().dtype() == DType::F32)
+        {
+            return Ok(());
+        }
+        let full = oxrl_models::checkpoint::load_tensors(dir, DType::F32, &oxrl_models::HOST)?;
+        let masters = self
+            .vars
+            .iter()
+            .map(|(name, var)| {
+                let own = var.as_tensor();
+                let master = match full.get(name) {
+                    Some(t) if t.dims() == own.dims() => t.clone(),
+                    Some(t) => {
+                        return Err(TrainError::Invalid(format!(
+                            "master weights from {}: `{name}` is {:?} there and {:?} in the policy",
+                            dir.display(),
+                            t.dims(),
+                            own.dims()
+                        )))
+                    }
+                    None => {
+                        return Err(TrainError::Invalid(format!(
+                            "master weights from {}: the checkpoint has no `{name}`",
+                            dir.display()
+                        )))
+                    }
+                };
+                Ok(master.flatten_all()?.to_vec1::<f32>()?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.restore_optimizer(AdamW::new(self.update.optimizer, masters))
+    }
+
     /// Puts `state` (host f32 master weights and moments, in variable order) in charge of the
     /// weights: the host AdamW on a CPU, the tensor AdamW on the policy's device elsewhere.
     pub fn restore_optimizer(&mut self, state: AdamW) -> Result<()> {

@@ -1,6 +1,10 @@
 """Loads a checkpoint directory that oxrl wrote, with transformers' Auto classes, and prints the
 log-probability of each response token given its prompt: one JSON line per JSON line of stdin
-({"prompt": text, "response": text}). Float32, eager attention, CPU: the reference numerics."""
+({"prompt": text, "response": text} or {"prompt_ids": [...], "response_ids": [...]}). Eager
+attention on the CPU, in float32 (the reference numerics) or the dtype named by the second
+argument (bfloat16); the log-softmax is taken in float32 either way.
+
+    python transformers_logprobs.py MODEL_DIR [float32|bfloat16] < cases.jsonl"""
 
 import json
 import sys
@@ -14,18 +18,22 @@ from transformers import (
 )
 
 
-def main(model_dir: str) -> None:
+def main(model_dir: str, dtype: str) -> None:
     config = AutoConfig.from_pretrained(model_dir)
     vision = getattr(config, "vision_config", None) is not None
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="eager"
     ).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = None
     for line in sys.stdin:
         case = json.loads(line)
-        prompt = tokenizer.encode(case["prompt"], add_special_tokens=False)
-        response = tokenizer.encode(case["response"], add_special_tokens=False)
+        if "prompt_ids" in case:
+            prompt, response = case["prompt_ids"], case["response_ids"]
+        else:
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+            prompt = tokenizer.encode(case["prompt"], add_special_tokens=False)
+            response = tokenizer.encode(case["response"], add_special_tokens=False)
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -46,4 +54,4 @@ def main(model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "float32")
