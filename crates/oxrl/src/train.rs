@@ -2,6 +2,7 @@
 
 use crate::output::{print_text, say};
 use anyhow::{bail, Result};
+use oxrl_models::DeviceSpec;
 use oxrl_train::{config, replay, sft, GrpoRun, Interrupt, RunConfig};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -29,6 +30,9 @@ pub struct TrainArgs {
     /// Write each step's trajectories to <output_dir>/rollouts/step-<N>.jsonl (replayable).
     #[arg(long)]
     save_rollouts: bool,
+    /// Overrides [model] device: cpu, cuda (the first GPU) or cuda:N.
+    #[arg(long)]
+    device: Option<DeviceSpec>,
 }
 
 #[derive(clap::Args)]
@@ -42,6 +46,9 @@ pub struct SftArgs {
     output_dir: Option<PathBuf>,
     #[arg(long)]
     resume: bool,
+    /// Overrides [model] device: cpu, cuda (the first GPU) or cuda:N.
+    #[arg(long)]
+    device: Option<DeviceSpec>,
 }
 
 #[derive(clap::Args)]
@@ -57,8 +64,16 @@ pub struct ConfigArgs {
     check: Option<PathBuf>,
 }
 
-fn load(path: &Path, max_steps: Option<u64>, output_dir: Option<PathBuf>) -> Result<RunConfig> {
+fn load(
+    path: &Path,
+    max_steps: Option<u64>,
+    output_dir: Option<PathBuf>,
+    device: Option<DeviceSpec>,
+) -> Result<RunConfig> {
     let mut cfg = RunConfig::from_file(path)?;
+    if let Some(d) = device {
+        cfg.device = d;
+    }
     if let Some(n) = max_steps {
         cfg.max_steps = n;
     }
@@ -97,7 +112,7 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
         None if Path::new(DEFAULT_CONFIG).exists() => PathBuf::from(DEFAULT_CONFIG),
         None => bail!("no --config given and {DEFAULT_CONFIG} is not here (run from the repository root, or pass --config)"),
     };
-    let cfg = load(&path, args.max_steps, args.output_dir)?;
+    let cfg = load(&path, args.max_steps, args.output_dir, args.device)?;
     if let Some(rollouts) = args.rollouts {
         let m = replay(&cfg, &rollouts)?;
         let show = |k: &str| m.get(k).copied().unwrap_or(f64::NAN);
@@ -130,7 +145,7 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
 }
 
 pub fn sft(args: SftArgs, interrupt: &Interrupt) -> Result<ExitCode> {
-    let cfg = load(&args.config, args.max_steps, args.output_dir)?;
+    let cfg = load(&args.config, args.max_steps, args.output_dir, args.device)?;
     let s = sft::run(&cfg, args.resume, interrupt)?;
     if let Some(signal) = s.interrupted {
         let saved = s

@@ -275,3 +275,40 @@ fn config_errors_name_file_line_and_key() {
     assert!(String::from_utf8_lossy(&r.stdout).contains("n_samples_per_prompt"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--device` overrides `[model] device` on both training commands; a CPU build refuses a GPU
+/// with the rebuild command, before any output is written.
+#[test]
+fn device_flag_reaches_the_run_and_a_cpu_build_refuses_a_gpu() {
+    let dir = temp_dir("train-device");
+    let config = demo_config(&dir, 4, 1);
+    let out = dir.join("run");
+    let sft_config = dir.join("sft.toml");
+    let demo = repo().join("examples/arithmetic").canonicalize().unwrap();
+    std::fs::write(
+        &sft_config,
+        std::fs::read_to_string(demo.join("sft.toml"))
+            .unwrap()
+            .replace("__INIT__", s(&demo.join("policy")))
+            .replace("data/sft.jsonl", s(&demo.join("data/sft.jsonl"))),
+    )
+    .unwrap();
+    for args in [
+        vec!["train", "--config", s(&config), "--output-dir", s(&out)],
+        vec!["sft", "--config", s(&sft_config), "--output-dir", s(&out)],
+    ] {
+        let mut args = args.clone();
+        args.extend(["--device", "cuda:1"]);
+        let r = oxrl(&args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success(), "{args:?}");
+        assert!(
+            err.contains("cuda:1") && err.contains("--features cuda"),
+            "{args:?}: {err}"
+        );
+        assert!(!out.join("checkpoint-1").exists());
+    }
+    let r = oxrl(&["train", "--config", s(&config), "--device", "tpu"]);
+    assert!(String::from_utf8_lossy(&r.stderr).contains("unknown device `tpu`"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
