@@ -5,7 +5,8 @@
 use crate::output::say;
 use anyhow::Result;
 use candle_core::DType;
-use oxrl_models::{PolicyModel, Qwen3, Qwen3Config, HOST};
+use candle_core::Device;
+use oxrl_models::{DeviceSpec, PolicyModel, Qwen3, Qwen3Config, HOST};
 use oxrl_rollout::{Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams};
 use oxrl_train::{learn, PhaseTimes};
 use rand::{Rng, SeedableRng};
@@ -48,8 +49,27 @@ pub struct VisionBench {
     json: bool,
 }
 
+/// The model a GRPO-step benchmark trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchShape {
+    /// W1 (shared/bench): hidden 256, 4 layers, vocab 151,936, tied.
+    W1,
+    /// Qwen3-0.6B's shape: hidden 1024, 28 layers, 16 heads / 8 kv heads, vocab 151,936, tied.
+    #[value(name = "qwen3-0.6b")]
+    Qwen3_0_6b,
+}
+
 #[derive(clap::Args)]
 pub struct GrpoStepBench {
+    /// The model's shape (random weights).
+    #[arg(long, value_enum, default_value_t = BenchShape::W1)]
+    shape: BenchShape,
+    /// Where the step runs: cpu, cuda or cuda:N.
+    #[arg(long, default_value_t = DeviceSpec::Cpu)]
+    device: DeviceSpec,
+    /// The policy's compute dtype (bf16: mixed precision, f32 master weights).
+    #[arg(long, value_enum, default_value_t = BenchDtype::F32)]
+    dtype: BenchDtype,
     #[arg(long, default_value_t = 8)]
     prompts: usize,
     #[arg(long, default_value_t = 8)]
@@ -80,16 +100,41 @@ pub struct GenerateBench {
     json: bool,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchDtype {
+    F32,
+    Bf16,
+}
+
+impl BenchDtype {
+    fn dtype(self) -> DType {
+        match self {
+            BenchDtype::F32 => DType::F32,
+            BenchDtype::Bf16 => DType::BF16,
+        }
+    }
+}
+
 /// The W1 model with freshly initialised weights (N(0, 0.02²), unit norms).
 pub fn w1_model(seed: u64) -> Result<Qwen3> {
+    shaped_model(BenchShape::W1, seed, DType::F32, &HOST)
+}
+
+/// A Qwen3 of `shape` with freshly initialised weights, in `dtype` on `device`.
+fn shaped_model(shape: BenchShape, seed: u64, dtype: DType, device: &Device) -> Result<Qwen3> {
+    let (hidden, intermediate, layers, heads, kv_heads, head_dim) = match shape {
+        BenchShape::W1 => (256, 768, 4, 4, 2, 64),
+        BenchShape::Qwen3_0_6b => (1024, 3072, 28, 16, 8, 128),
+    };
     let config = json!({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-        "vocab_size": 151936, "hidden_size": 256, "intermediate_size": 768,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960, "tie_word_embeddings": true, "torch_dtype": "float32",
+        "vocab_size": 151936, "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": true,
+        "torch_dtype": "float32",
     });
-    Ok(Qwen3::random(config, seed, DType::F32, &HOST)?)
+    Ok(Qwen3::random(config, seed, dtype, device)?)
 }
 
 /// W1's text model under a Qwen3-VL vision tower (depth 4, hidden 256, 4 heads, MLP 1024, a
@@ -403,15 +448,19 @@ fn generate(b: GenerateBench) -> Result<()> {
 }
 
 /// Achieved f32 GFLOP/s of one large square matmul, the peak the step is compared with.
-fn matmul_peak_gflops() -> Result<f64> {
-    let n = 1024;
-    let a = candle_core::Tensor::randn(0f32, 1.0, (n, n), &HOST)?;
+/// GFLOP/s of a large square matmul in `dtype` on `device` (1024² f32 on a CPU; 8192² on a GPU,
+/// its dtype's practical peak), waiting for the device before the clock stops.
+fn matmul_peak_gflops(device: &Device, dtype: DType) -> Result<f64> {
+    let n = if device.is_cpu() { 1024 } else { 8192 };
+    let a = candle_core::Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(dtype)?;
     let _ = a.matmul(&a)?;
+    device.synchronize()?;
     let start = Instant::now();
     let reps = 8;
     for _ in 0..reps {
         let _ = a.matmul(&a)?;
     }
+    device.synchronize()?;
     Ok(2.0 * (n as f64).powi(3) * reps as f64 / start.elapsed().as_secs_f64() / 1e9)
 }
 
@@ -446,10 +495,13 @@ fn grpo_step_flops(
 }
 
 fn grpo_step(b: GrpoStepBench) -> Result<()> {
-    let peak = matmul_peak_gflops()?;
-    let policy = w1_model(0)?;
+    let device = b.device.open()?;
+    let dtype = b.dtype.dtype();
+    let peak = matmul_peak_gflops(&device, dtype)?;
+    let policy = shaped_model(b.shape, 0, dtype, &device)?;
     let config = policy.config.clone();
-    let reference = w1_model(1)?;
+    let reference = shaped_model(b.shape, 1, dtype, &device)?;
+    let memory = crate::device_memory::PeakWatch::start(&device)?;
     let mut trainer = bench_trainer(
         Box::new(policy),
         Box::new(reference),
@@ -510,6 +562,8 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         prompt_len,
     );
     let achieved = flops / secs / 1e9;
+    let peak_memory_gib = memory.map(|m| m.stop() as f64 / (1u64 << 30) as f64);
+    let setup = format!("{:?} {} {:?}", b.shape, b.device, b.dtype).to_lowercase();
     let phases = [
         "time/rollout",
         "time/old_logprobs",
@@ -526,6 +580,9 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         obj.insert("tflop_per_step".into(), (flops / 1e12).into());
         obj.insert("achieved_gflops".into(), achieved.into());
         obj.insert("matmul_peak_gflops".into(), peak.into());
+        obj.insert("fraction_of_peak".into(), (achieved / peak).into());
+        obj.insert("setup".into(), setup.into());
+        obj.insert("peak_device_memory_gib".into(), peak_memory_gib.into());
         obj.insert("trl_seconds_per_step".into(), TRL_SECONDS_PER_STEP.into());
         obj.insert(
             "speedup_vs_trl".into(),
@@ -533,15 +590,19 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         );
         say!("{}", serde_json::Value::Object(obj))?;
     } else {
+        let memory = peak_memory_gib
+            .map(|g| format!("; peak device memory {g:.2} GiB"))
+            .unwrap_or_default();
         say!(
-            "grpo-step W1: {secs:.2} s/step (rollout {:.2}, old logprobs {:.2}, ref {:.2}, update {:.2}); \
-             {:.2} TFLOP → {achieved:.0} GFLOP/s of a {peak:.0} GFLOP/s matmul peak; \
-             {:.1}× TRL's ~{TRL_SECONDS_PER_STEP} s",
+            "grpo-step {setup}: {secs:.2} s/step (rollout {:.2}, old logprobs {:.2}, ref {:.2}, update {:.2}); \
+             {:.2} TFLOP → {achieved:.0} GFLOP/s of a {peak:.0} GFLOP/s matmul peak ({:.0}%){memory}; \
+             {:.1}× TRL's ~{TRL_SECONDS_PER_STEP} s on W1",
             avg("time/rollout"),
             avg("time/old_logprobs"),
             avg("time/ref"),
             avg("time/update"),
             flops / 1e12,
+            100.0 * achieved / peak,
             TRL_SECONDS_PER_STEP / secs
         )?;
     }

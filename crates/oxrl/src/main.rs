@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_serve;
+mod device_memory;
 mod generate;
 mod input;
 mod load;

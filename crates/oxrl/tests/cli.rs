@@ -250,3 +250,50 @@ fn bad_input_is_a_one_line_error_and_writes_nothing() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `bench grpo-step` takes the shape, device and dtype it measures and says them back with the
+/// phase times and the fraction of the matmul peak (one tiny bf16 step here; the figures
+/// themselves are the benchmark's, not a test's).
+#[test]
+fn bench_grpo_step_reports_its_setup_and_phases() {
+    let r = oxrl(&[
+        "bench",
+        "grpo-step",
+        "--steps",
+        "1",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--new-tokens",
+        "2",
+        "--dtype",
+        "bf16",
+        "--json",
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let v: Value = serde_json::from_slice(&r.stdout).unwrap();
+    assert_eq!(v["setup"], "w1 cpu bf16");
+    for key in [
+        "seconds_per_step",
+        "time/rollout",
+        "time/update",
+        "achieved_gflops",
+        "fraction_of_peak",
+    ] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+    assert!(
+        v["peak_device_memory_gib"].is_null(),
+        "a CPU has no device memory to watch"
+    );
+    let r = oxrl(&[
+        "bench",
+        "grpo-step",
+        "--device",
+        "cuda",
+        "--shape",
+        "qwen3-0.6b",
+    ]);
+    assert!(String::from_utf8_lossy(&r.stderr).contains("--features cuda"));
+}
