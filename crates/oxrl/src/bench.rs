@@ -562,6 +562,8 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         prompt_len,
     );
     let achieved = flops / secs / 1e9;
+    let generated = (b.prompts * b.n * b.new_tokens) as f64;
+    let (rollout_tokens_per_s, tokens_per_s) = (generated / avg("time/rollout"), generated / secs);
     let peak_memory_gib = memory.map(|m| m.stop() as f64 / (1u64 << 30) as f64);
     let setup = format!("{:?} {} {:?}", b.shape, b.device, b.dtype).to_lowercase();
     let phases = [
@@ -581,6 +583,8 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         obj.insert("achieved_gflops".into(), achieved.into());
         obj.insert("matmul_peak_gflops".into(), peak.into());
         obj.insert("fraction_of_peak".into(), (achieved / peak).into());
+        obj.insert("rollout_tokens_per_s".into(), rollout_tokens_per_s.into());
+        obj.insert("tokens_per_s".into(), tokens_per_s.into());
         obj.insert("setup".into(), setup.into());
         obj.insert("peak_device_memory_gib".into(), peak_memory_gib.into());
         obj.insert("trl_seconds_per_step".into(), TRL_SECONDS_PER_STEP.into());
@@ -595,6 +599,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
             .unwrap_or_default();
         say!(
             "grpo-step {setup}: {secs:.2} s/step (rollout {:.2}, old logprobs {:.2}, ref {:.2}, update {:.2}); \
+             {tokens_per_s:.0} generated tokens/s per step, {rollout_tokens_per_s:.0} in the rollout; \
              {:.2} TFLOP → {achieved:.0} GFLOP/s of a {peak:.0} GFLOP/s matmul peak ({:.0}%){memory}; \
              {:.1}× TRL's ~{TRL_SECONDS_PER_STEP} s on W1",
             avg("time/rollout"),

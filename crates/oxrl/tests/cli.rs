@@ -280,6 +280,8 @@ fn bench_grpo_step_reports_its_setup_and_phases() {
         "time/update",
         "achieved_gflops",
         "fraction_of_peak",
+        "tokens_per_s",
+        "rollout_tokens_per_s",
     ] {
         assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
     }
