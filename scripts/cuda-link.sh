@@ -27,6 +27,8 @@ if ! cmp -s "$pins" "$libs/pinned.txt"; then
 fi
 exec 9>&-
 
+bash "$root/scripts/cuda-env.sh" true # the compiler wheels (cudart and NVRTC are there)
+
 # The linker asks for libNAME.so; the wheels ship libNAME.so.MAJOR.
 link_dir="$libs/link"
 rm -rf "$link_dir"
@@ -38,7 +40,7 @@ for lib in "$libs"/nvidia/*/lib/lib*.so.* "$root"/.cuda/nvidia/cu13/lib/lib*.so.
 done
 
 # libcuda: every cu* function in cudarc's driver bindings, as an empty function.
-cudarc="$(cargo metadata --format-version 1 --manifest-path "$root/Cargo.toml" |
+cudarc="$(cargo metadata --all-features --format-version 1 --manifest-path "$root/Cargo.toml" |
     python3 -c 'import json, sys; print(next(p["manifest_path"] for p in json.load(sys.stdin)["packages"] if p["name"] == "cudarc"))')"
 bindings="$(dirname "$cudarc")/src/driver/sys/mod.rs"
 grep -oE '^ +fn cu[A-Za-z0-9_]+\(' "$bindings" | sed -E 's/^ +fn (cu[A-Za-z0-9_]+)\(/void \1(void) {}/' |

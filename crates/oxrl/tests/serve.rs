@@ -342,41 +342,67 @@ fn an_image_prompt_samples_what_generate_samples() {
 /// served again once one finishes.
 #[test]
 fn requests_past_the_connection_limit_get_503_until_one_finishes() {
-    use std::io::Write;
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
     let server = serve(&["--model", s(&demo_policy()), "--max-connections", "1"]);
     let models = format!("{}/v1/models", server.url);
-    assert_eq!(ureq::get(&models).call().unwrap().status(), 200);
+    // Every probe on a fresh connection and with a time limit, so a stuck server fails the
+    // test instead of hanging it.
+    let probe = ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(10))
+        .max_idle_connections(0)
+        .build();
+    let status = |r: Result<ureq::Response, ureq::Error>| match r {
+        Ok(r) => (r.status(), Value::Null),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_json::<Value>().unwrap()),
+        Err(e) => panic!("{models}: {e}"),
+    };
+    assert_eq!(status(probe.get(&models).call()).0, 200);
     // A request whose body never finishes arriving holds the one connection (large enough
     // that tiny_http hands it over before the body, as it does not for bodies under 1 KiB).
-    let address = server.url.trim_start_matches("http://");
-    let mut slow = std::net::TcpStream::connect(address).unwrap();
-    write!(
-        slow,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-         Content-Length: 100000\r\n\r\n{{\"prompt\": "
-    )
-    .unwrap();
-    slow.flush().unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let refused = loop {
-        match ureq::get(&models).call() {
-            Err(ureq::Error::Status(503, r)) => break r.into_json::<Value>().unwrap(),
-            _ if std::time::Instant::now() < deadline => {
-                std::thread::sleep(std::time::Duration::from_millis(20))
+    let address = server.url.trim_start_matches("http://").to_string();
+    let slow_request = |address: &str| {
+        let mut slow = std::net::TcpStream::connect(address).unwrap();
+        write!(
+            slow,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: 100000\r\n\r\n{{\"prompt\": "
+        )
+        .unwrap();
+        slow.flush().unwrap();
+        slow
+    };
+    // The slow request may arrive before the probe's slot is given back and be refused
+    // itself; then it is sent again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (slow, refused) = 'held: loop {
+        let mut slow = slow_request(&address);
+        slow.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        loop {
+            assert!(
+                Instant::now() < deadline,
+                "the slow request never held the slot"
+            );
+            match status(probe.get(&models).call()) {
+                (503, body) => break 'held (slow, body),
+                (200, _) if slow.read(&mut [0u8; 1]).is_ok() => break,
+                _ => {}
             }
-            other => panic!("expected 503 while the slow request is open, got {other:?}"),
         }
     };
     let message = refused["error"]["message"].as_str().unwrap();
     assert!(message.contains("--max-connections"), "{message}");
+    // A refused request whose body never arrives does not stop the server from answering.
+    let _refused_slow = slow_request(&address);
+    let started = Instant::now();
+    assert_eq!(status(probe.get(&models).call()).0, 503);
+    assert!(started.elapsed() < Duration::from_secs(5));
     drop(slow);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while ureq::get(&models).call().is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the slot was never freed"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while probe.get(&models).call().is_err() {
+        assert!(Instant::now() < deadline, "the slot was never freed");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

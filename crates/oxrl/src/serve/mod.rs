@@ -123,15 +123,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let open = Arc::new(AtomicUsize::new(0));
     for request in listener.incoming_requests() {
         if open.load(Relaxed) >= args.max_connections {
-            let e = ApiError {
-                status: 503,
-                message: format!(
-                    "the server is handling {} requests, its limit (--max-connections)",
-                    args.max_connections
-                ),
-                param: None,
-            };
-            respond_json(request, 503, &e.body());
+            refuse_busy(request, args.max_connections);
             continue;
         }
         open.fetch_add(1, Relaxed);
@@ -149,6 +141,23 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Answers 503 on a thread of its own: once answered, tiny_http drains the rest of the request's
+/// body, and a client that never sends it would otherwise stop the accept loop for everyone.
+fn refuse_busy(request: tiny_http::Request, limit: usize) {
+    let e = ApiError {
+        status: 503,
+        message: format!("the server is handling {limit} requests, its limit (--max-connections)"),
+        param: None,
+    };
+    let refused = std::thread::Builder::new()
+        .name("refusal".into())
+        .spawn(move || respond_json(request, 503, &e.body()));
+    if let Err(e) = refused {
+        // The request went down with the closure (its client sees the connection close).
+        oxrl_train::note!("serve: could not start a thread to refuse a request: {e}");
+    }
 }
 
 fn unix_seconds() -> u64 {
