@@ -53,7 +53,8 @@ bash "$root/scripts/cuda-env.sh" cargo build --release --features cuda -p oxrl -
 strip -o "$out/oxrl-cuda" "$out/release/oxrl"
 xz -9 -T0 -c "$out/oxrl-cuda" >"$out/oxrl-cuda.xz"
 size=$(stat -c %s "$out/oxrl-cuda.xz")
-echo "cuda-link: $out/oxrl-cuda.xz ($((size / 1024 / 1024)) MB; needs $(readelf -d "$out/oxrl-cuda" | grep -oE 'lib[^]]+' | tr '\n' ' '))"
+needs="$(readelf -d "$out/oxrl-cuda" | grep -oE '\[lib[^]]+\]' | tr -d '[]' | tr '\n' ' ')"
+echo "cuda-link: $out/oxrl-cuda.xz ($((size / 1024 / 1024)) MB; needs $needs)"
 if [ "$size" -ge $((60 * 1024 * 1024)) ]; then
     echo "cuda-link: the compressed binary is over 60 MB" >&2
     exit 1
