@@ -338,5 +338,7 @@ fn a_vl_run_resumes_exactly() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Steps of the demo's CI run (the full demo runs 60).
-const DEMO_TEST_STEPS: usize = 40;
+/// Steps of the demo's test run: the whole demo. The seeded run's path depends on the CPU's
+/// matmul kernels (AVX-512 rounds differently from AVX2); on an AVX-512 machine the reward only
+/// starts to climb after step 40 (0.17 → 0.23 over 40 steps, 0.17 → 0.44 over 60).
+const DEMO_TEST_STEPS: usize = 60;
