@@ -1,30 +1,15 @@
 #!/usr/bin/env bash
 # Runs a command with a CUDA 13.0 compiler and no GPU: `scripts/cuda-env.sh cargo check
 # --workspace --features cuda`. The compiler comes from the pinned, hash-checked wheels in
-# scripts/cuda-compiler.txt, unpacked once into .cuda/ (ignored; fetched again when the pins
-# change). CUDA_COMPUTE_CAP (default 90: H100/H200) tells candle's kernel build which GPU to
-# compile for, so it never asks nvidia-smi. OXRL_CUDA_DIR names the unpacked toolkit (NVRTC's
-# library is in its lib/).
+# scripts/cuda-compiler.txt, unpacked once into .cuda/ by unpack-wheels.sh (ignored; fetched
+# again when the pins change). CUDA_COMPUTE_CAP (default 90: H100/H200) tells candle's kernel
+# build which GPU to compile for, so it never asks nvidia-smi. OXRL_CUDA_DIR names the unpacked
+# toolkit (NVRTC's library is in its lib/).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 pins="$root/scripts/cuda-compiler.txt"
 cuda="$root/.cuda"
-exec 9>"$root/.cuda.lock"
-flock 9
-if ! cmp -s "$pins" "$cuda/pinned.txt"; then
-    echo "cuda-env: fetching the pinned CUDA compiler wheels into .cuda/ (once, about 190 MB)" >&2
-    rm -rf "$cuda"
-    mkdir -p "$cuda/wheels"
-    python3 -m pip download --quiet --disable-pip-version-check --no-deps --require-hashes \
-        -r "$pins" -d "$cuda/wheels"
-    for wheel in "$cuda"/wheels/*.whl; do
-        python3 -m zipfile -e "$wheel" "$cuda"
-    done
-    rm -rf "$cuda/wheels"
-    chmod +x "$cuda"/nvidia/cu13/bin/* "$cuda"/nvidia/cu13/nvvm/bin/*
-    cp "$pins" "$cuda/pinned.txt"
-fi
-exec 9>&-
+bash "$root/scripts/unpack-wheels.sh" "$pins" "$cuda"
 export PATH="$cuda/nvidia/cu13/bin:$PATH"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
 export OXRL_CUDA_DIR="$cuda/nvidia/cu13"

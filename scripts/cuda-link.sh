@@ -11,21 +11,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 pins="$root/scripts/cuda-libraries.txt"
 libs="$root/.cuda-libs"
-exec 9>"$root/.cuda.lock"
-flock 9
-if ! cmp -s "$pins" "$libs/pinned.txt"; then
-    echo "cuda-link: fetching the pinned CUDA library wheels into .cuda-libs/ (once, about 670 MB)" >&2
-    rm -rf "$libs"
-    mkdir -p "$libs/wheels"
-    python3 -m pip download --quiet --disable-pip-version-check --no-deps --require-hashes \
-        -r "$pins" -d "$libs/wheels"
-    for wheel in "$libs"/wheels/*.whl; do
-        python3 -m zipfile -e "$wheel" "$libs"
-    done
-    rm -rf "$libs/wheels"
-    cp "$pins" "$libs/pinned.txt"
-fi
-exec 9>&-
+bash "$root/scripts/unpack-wheels.sh" "$pins" "$libs"
 
 bash "$root/scripts/cuda-env.sh" true # the compiler wheels (cudart and NVRTC are there)
 
