@@ -51,11 +51,12 @@ fn update(micro_batch_size: usize) -> UpdateConfig {
     }
 }
 
-fn run(micro_batch_size: usize) -> (PolicyTrainer, Learned) {
+/// The fixture's policy and reference computing in `dtype`, with the f32 master weights read
+/// from the checkpoint.
+fn trainer(dtype: DType, micro_batch_size: usize) -> PolicyTrainer {
     let dir = fixture("grpo-step");
-    let policy = Qwen3::load(&dir.join("policy"), DType::F32, &Device::Cpu).unwrap();
-    let reference = Qwen3::load(&dir.join("ref"), DType::F32, &Device::Cpu).unwrap();
-    let trajs = read_trajectories(&dir.join("rollouts.jsonl")).unwrap();
+    let policy = Qwen3::load(&dir.join("policy"), dtype, &Device::Cpu).unwrap();
+    let reference = Qwen3::load(&dir.join("ref"), dtype, &Device::Cpu).unwrap();
     let mut trainer = PolicyTrainer::new(
         Box::new(policy),
         Some(Box::new(reference)),
@@ -63,7 +64,19 @@ fn run(micro_batch_size: usize) -> (PolicyTrainer, Learned) {
         update(micro_batch_size),
     )
     .unwrap();
-    let learned = learn(&mut trainer, &trajs, &mut PhaseTimes::default()).unwrap();
+    trainer.master_weights_from(&dir.join("policy")).unwrap();
+    trainer
+}
+
+/// One step on the fixture's rollouts.
+fn step(trainer: &mut PolicyTrainer) -> Learned {
+    let trajs = read_trajectories(&fixture("grpo-step/rollouts.jsonl")).unwrap();
+    learn(trainer, &trajs, &mut PhaseTimes::default()).unwrap()
+}
+
+fn run(micro_batch_size: usize) -> (PolicyTrainer, Learned) {
+    let mut trainer = trainer(DType::F32, micro_batch_size);
+    let learned = step(&mut trainer);
     (trainer, learned)
 }
 
@@ -235,20 +248,9 @@ fn micro_batching_does_not_change_the_step() {
 #[test]
 fn bf16_step_stays_close_to_the_f32_step() {
     let (f32_trainer, f32_step) = run(12);
-    let dir = fixture("grpo-step");
-    let policy = Qwen3::load(&dir.join("policy"), DType::BF16, &Device::Cpu).unwrap();
-    let reference = Qwen3::load(&dir.join("ref"), DType::BF16, &Device::Cpu).unwrap();
-    let trajs = read_trajectories(&dir.join("rollouts.jsonl")).unwrap();
-    let mut trainer = PolicyTrainer::new(
-        Box::new(policy),
-        Some(Box::new(reference)),
-        algorithm(),
-        update(12),
-    )
-    .unwrap();
-    trainer.master_weights_from(&dir.join("policy")).unwrap();
+    let mut trainer = trainer(DType::BF16, 12);
     let before = trainer.optimizer.state().unwrap();
-    let bf16_step = learn(&mut trainer, &trajs, &mut PhaseTimes::default()).unwrap();
+    let bf16_step = step(&mut trainer);
     for key in ["loss", "pg_loss", "kl", "grad_norm"] {
         let (got, want) = (bf16_step.report.metrics[key], f32_step.report.metrics[key]);
         eprintln!(
