@@ -394,7 +394,16 @@ fn requests_past_the_connection_limit_get_503_until_one_finishes() {
     let message = refused["error"]["message"].as_str().unwrap();
     assert!(message.contains("--max-connections"), "{message}");
     // A refused request whose body never arrives does not stop the server from answering.
-    let _refused_slow = slow_request(&address);
+    let mut refused_slow = slow_request(&address);
+    refused_slow
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut answer = [0u8; 12];
+    refused_slow.read_exact(&mut answer).unwrap();
+    assert_eq!(
+        &answer, b"HTTP/1.1 503",
+        "the refused client got its answer"
+    );
     let started = Instant::now();
     assert_eq!(status(probe.get(&models).call()).0, 503);
     assert!(started.elapsed() < Duration::from_secs(5));
