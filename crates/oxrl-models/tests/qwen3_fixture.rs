@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use oxrl_fixtures::{fixture, floats, ids, jsonl, temp_dir};
-use oxrl_models::{Qwen3, ScoreRequest};
+use oxrl_models::{CacheKind, KvCache, Qwen3, ScoreRequest};
 use serde_json::Value;
 
 fn tiny() -> Qwen3 {
@@ -91,10 +91,17 @@ fn greedy_path_matches_transformers() {
 }
 
 /// The KV-cache path (prompts of different lengths prefilled together, then decoded one token at
-/// a time) gives the training path's logits at every position.
+/// a time) gives the training path's logits at every position, with host and pooled caches.
 #[test]
 fn cached_path_equals_training_path() {
-    let model = tiny();
+    for kind in [CacheKind::Host, CacheKind::Pooled] {
+        cached_path_equals_training_path_with(kind);
+    }
+}
+
+fn cached_path_equals_training_path_with(kind: CacheKind) {
+    let mut model = tiny();
+    model.kv_cache = kind;
     let (reqs, _) = requests();
     let mut caches: Vec<_> = reqs.iter().map(|_| model.new_cache()).collect();
     let prompts: Vec<&[u32]> = reqs.iter().map(|r| r.prompt_ids.as_slice()).collect();
@@ -135,9 +142,89 @@ fn cached_path_equals_training_path() {
         for (k, c) in cached.iter().enumerate() {
             let want = full.get(r.prompt_ids.len() - 1 + k).unwrap();
             let diff = (c - want).unwrap().abs().unwrap().max_all().unwrap();
-            assert!(diff.to_scalar::<f32>().unwrap() < 1e-5, "position {k}");
+            assert!(
+                diff.to_scalar::<f32>().unwrap() < 1e-5,
+                "{kind:?} position {k}"
+            );
         }
     }
+}
+
+/// One engine-like schedule on caches of `kind`: prompts prefilled together, one forked into
+/// ten samples (past the pool's first 8 slots), a sequence dropped and a new prompt admitted in
+/// its place, then decoding past 64 positions (the pool's first capacity). Returns every step's
+/// logits.
+fn schedule(kind: CacheKind) -> Vec<Vec<Vec<f32>>> {
+    let mut model = tiny();
+    model.kv_cache = kind;
+    let (reqs, _) = requests();
+    let logits = |caches: &mut [KvCache], chunks: &[&[u32]]| {
+        let out = model
+            .forward_cached(chunks, &mut caches.iter_mut().collect::<Vec<_>>())
+            .unwrap();
+        out.to_tensor().unwrap().to_vec2::<f32>().unwrap()
+    };
+    let mut steps = Vec::new();
+    let prompts: Vec<&[u32]> = reqs[..2].iter().map(|r| r.prompt_ids.as_slice()).collect();
+    let mut caches: Vec<KvCache> = prompts.iter().map(|_| model.new_cache()).collect();
+    steps.push(logits(&mut caches, &prompts));
+    for _ in 0..9 {
+        let fork = caches[0].fork().unwrap();
+        caches.push(fork);
+    }
+    // Every sample decodes a token of its own, so forks diverge from their source.
+    let token = |i: usize, step: usize| ((i * 7919 + step * 104729) % 1000) as u32;
+    for step in 0..3 {
+        let tokens: Vec<[u32; 1]> = (0..caches.len()).map(|i| [token(i, step)]).collect();
+        let chunks: Vec<&[u32]> = tokens.iter().map(|t| t.as_slice()).collect();
+        steps.push(logits(&mut caches, &chunks));
+    }
+    caches.remove(1);
+    let mut admitted = vec![model.new_cache()];
+    steps.push(logits(&mut admitted, &[reqs[2].prompt_ids.as_slice()]));
+    caches.extend(admitted);
+    let longest = caches.iter().map(KvCache::len).max().unwrap();
+    for step in 3..(3 + 70usize.saturating_sub(longest)) {
+        let tokens: Vec<[u32; 1]> = (0..caches.len()).map(|i| [token(i, step)]).collect();
+        let chunks: Vec<&[u32]> = tokens.iter().map(|t| t.as_slice()).collect();
+        steps.push(logits(&mut caches, &chunks));
+    }
+    assert!(caches.iter().map(KvCache::len).max().unwrap() >= 70);
+    steps
+}
+
+/// Pooled caches (the GPU path: one tensor per layer, slots, batched attention) give the host
+/// caches' logits through forks, drops, slot reuse and both kinds of pool growth.
+#[test]
+fn pooled_caches_equal_host_caches_through_forks_drops_and_growth() {
+    let (host, pooled) = (schedule(CacheKind::Host), schedule(CacheKind::Pooled));
+    assert_eq!(host.len(), pooled.len());
+    for (s, (h, p)) in host.iter().zip(&pooled).enumerate() {
+        assert_eq!(h.len(), p.len(), "step {s}");
+        let d = h
+            .iter()
+            .flatten()
+            .zip(p.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            // A NaN must stay (f32::max would drop it).
+            .fold(0f32, |m, d| if d > m || d.is_nan() { d } else { m });
+        assert!(d < 1e-5, "step {s}: max |Δ| {d}");
+    }
+}
+
+/// A step over caches of both kinds is refused, not mixed up.
+#[test]
+fn mixing_host_and_pooled_caches_is_an_error() {
+    let mut model = tiny();
+    let host = model.new_cache();
+    model.kv_cache = CacheKind::Pooled;
+    let pooled = model.new_cache();
+    let (mut a, mut b) = (host, pooled);
+    let err = model
+        .forward_cached(&[&[1, 2], &[3]], &mut [&mut a, &mut b])
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("mixes host and pooled"), "{err}");
 }
 
 #[test]

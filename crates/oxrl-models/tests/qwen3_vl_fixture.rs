@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 use oxrl_fixtures::{fixture, floats, ids, jsonl};
 use oxrl_models::image::process;
-use oxrl_models::{ImageSource, ProcessedImage, Qwen3, ScoreRequest};
+use oxrl_models::{CacheKind, ImageSource, ProcessedImage, Qwen3, ScoreRequest};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -166,10 +166,18 @@ fn batched_logprobs_match_transformers_within_1e_4() {
 }
 
 /// The KV-cache path (image prompts prefilled together, then decoded one token at a time with
-/// the position offset after the images) gives the training path's logits.
+/// the position offset after the images) gives the training path's logits, with host and
+/// pooled caches.
 #[test]
 fn cached_path_equals_training_path_with_images() {
-    let model = tiny_vl();
+    for kind in [CacheKind::Host, CacheKind::Pooled] {
+        cached_path_equals_training_path_with_images_with(kind);
+    }
+}
+
+fn cached_path_equals_training_path_with_images_with(kind: CacheKind) {
+    let mut model = tiny_vl();
+    model.kv_cache = kind;
     let (reqs, _) = requests(&model);
     let mut caches: Vec<_> = reqs.iter().map(|_| model.new_cache()).collect();
     let prompts: Vec<&[u32]> = reqs.iter().map(|r| r.prompt_ids.as_slice()).collect();
@@ -206,7 +214,7 @@ fn cached_path_equals_training_path_with_images() {
         let want = full.narrow(0, r.prompt_ids.len() - 1, rows.len()).unwrap();
         let got = Tensor::new(rows.clone(), &Device::Cpu).unwrap();
         let d = max_abs_diff(&got, &want);
-        assert!(d <= 1e-4, "case {n}: max |Δ| {d}");
+        assert!(d <= 1e-4, "{kind:?} case {n}: max |Δ| {d}");
     }
 }
 

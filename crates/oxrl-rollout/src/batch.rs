@@ -351,7 +351,7 @@ impl Batcher {
                     group: id,
                     rules: group.rules.clone(),
                     sample,
-                    cache: cache.clone(),
+                    cache: cache.fork()?,
                     rng,
                     response: Vec::with_capacity(reserve),
                     logprobs: Vec::with_capacity(reserve),

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device};
 use oxrl_fixtures::{fixture, ids, jsonl};
-use oxrl_models::{Qwen3, ScoreRequest, Tokenizer};
+use oxrl_models::{CacheKind, Qwen3, ScoreRequest, Tokenizer};
 use oxrl_rollout::{
     Engine, EngineError, FinishReason, LocalEngine, SamplerConfig, SamplingParams, WeightVersion,
 };
@@ -104,6 +104,33 @@ fn seeded_sampling_repeats_exactly_whatever_the_batching() {
         .iter()
         .skip(1)
         .any(|s| s.response_ids != a[0][0].response_ids));
+}
+
+/// The engine on pooled caches (the GPU layout: one tensor per layer, batched attention) draws
+/// the host caches' tokens, with log-probs equal to float noise, also when sequences wait for a
+/// slot and take over the slots of finished ones.
+#[test]
+fn pooled_caches_sample_what_host_caches_sample() {
+    let prompts = prompts();
+    let mut pooled_model = Qwen3::load(&fixture("qwen3-tiny"), DType::F32, &Device::Cpu).unwrap();
+    pooled_model.kv_cache = CacheKind::Pooled;
+    for max_num_seqs in [256, 6] {
+        let mut host = LocalEngine::new(tiny(), None, vec![]);
+        let mut pooled = LocalEngine::new(Arc::new(pooled_model.detached()), None, vec![]);
+        host.max_num_seqs = max_num_seqs;
+        pooled.max_num_seqs = max_num_seqs;
+        let a = host.generate(&prompts, &sampled(7)).unwrap();
+        let b = pooled.generate(&prompts, &sampled(7)).unwrap();
+        for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+            assert_eq!(
+                x.response_ids, y.response_ids,
+                "max_num_seqs {max_num_seqs}"
+            );
+            for (p, q) in x.logprobs.iter().zip(&y.logprobs) {
+                assert!((p - q).abs() < 1e-5, "{p} vs {q}");
+            }
+        }
+    }
 }
 
 /// Rollout logprobs are those of softmax(logits / T) before truncation: the trainer's recompute

@@ -6,7 +6,7 @@ use crate::output::say;
 use anyhow::Result;
 use candle_core::DType;
 use candle_core::Device;
-use oxrl_models::{DeviceSpec, PolicyModel, Qwen3, Qwen3Config, HOST};
+use oxrl_models::{CacheKind, DeviceSpec, PolicyModel, Qwen3, Qwen3Config, HOST};
 use oxrl_rollout::{Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams};
 use oxrl_train::{learn, PhaseTimes};
 use rand::{Rng, SeedableRng};
@@ -88,6 +88,17 @@ pub struct GrpoStepBench {
 
 #[derive(clap::Args)]
 pub struct GenerateBench {
+    /// The model's shape (random weights).
+    #[arg(long, value_enum, default_value_t = BenchShape::W1)]
+    shape: BenchShape,
+    /// Where the engine runs: cpu, cuda or cuda:N.
+    #[arg(long, default_value_t = DeviceSpec::Cpu)]
+    device: DeviceSpec,
+    #[arg(long, value_enum, default_value_t = BenchDtype::F32)]
+    dtype: BenchDtype,
+    /// Where the KV caches live (default: host on a CPU, pooled on a GPU).
+    #[arg(long, value_enum)]
+    kv_cache: Option<BenchCache>,
     #[arg(long, default_value_t = 8)]
     prompts: usize,
     /// Samples per prompt.
@@ -98,6 +109,13 @@ pub struct GenerateBench {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+}
+
+/// [`CacheKind`] on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchCache {
+    Host,
+    Pooled,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -399,7 +417,16 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
 }
 
 fn generate(b: GenerateBench) -> Result<()> {
-    let model = Arc::new(w1_model(0)?);
+    let device = b.device.open()?;
+    let mut model = shaped_model(b.shape, 0, b.dtype.dtype(), &device)?;
+    if let Some(kind) = b.kv_cache {
+        model.kv_cache = match kind {
+            BenchCache::Host => CacheKind::Host,
+            BenchCache::Pooled => CacheKind::Pooled,
+        };
+    }
+    let kv_cache = model.kv_cache;
+    let model = Arc::new(model);
     let prompts = w1_prompts(
         b.prompts,
         model.config.vocab_size,
@@ -423,23 +450,40 @@ fn generate(b: GenerateBench) -> Result<()> {
             ..params.clone()
         },
     )?;
+    let memory = crate::device_memory::PeakWatch::start(&device)?;
     let start = Instant::now();
     let out = engine.generate(&prompts, &params)?;
     let secs = start.elapsed().as_secs_f64();
+    let peak_memory_gib = memory.map(|m| m.stop() as f64 / (1u64 << 30) as f64);
     let tokens: usize = out.iter().flatten().map(|c| c.response_ids.len()).sum();
     let tps = tokens as f64 / secs;
-    let ratio = tps / TRANSFORMERS_TOKENS_PER_S;
+    // transformers' figure is W1 on these CPUs; another shape or device has no reference.
+    let reference =
+        (b.shape == BenchShape::W1 && device.is_cpu()).then_some(TRANSFORMERS_TOKENS_PER_S);
+    let shape = format!("{:?}", b.shape).to_lowercase();
     if b.json {
         say!(
             "{}",
-            json!({"bench": "generate", "sequences": b.prompts * b.n, "new_tokens": b.new_tokens,
+            json!({"bench": "generate", "shape": shape, "device": b.device.to_string(),
+                   "dtype": format!("{:?}", b.dtype).to_lowercase(),
+                   "kv_cache": format!("{kv_cache:?}").to_lowercase(),
+                   "sequences": b.prompts * b.n, "new_tokens": b.new_tokens,
                    "tokens": tokens, "seconds": secs, "tokens_per_s": tps,
-                   "transformers_tokens_per_s": TRANSFORMERS_TOKENS_PER_S, "ratio_to_transformers": ratio})
+                   "peak_device_memory_gib": peak_memory_gib,
+                   "transformers_tokens_per_s": reference,
+                   "ratio_to_transformers": reference.map(|r| tps / r)})
         )?;
     } else {
+        let versus = reference.map_or(String::new(), |r| {
+            format!(" ({:.1}× transformers' {r} tokens/s)", tps / r)
+        });
+        let memory = peak_memory_gib.map_or(String::new(), |g| {
+            format!("; peak device memory {g:.2} GiB")
+        });
         say!(
-            "generate W1: {} sequences × {} new tokens = {tokens} tokens in {secs:.2} s → {tps:.0} tokens/s \
-             ({ratio:.1}× transformers' {TRANSFORMERS_TOKENS_PER_S} tokens/s)",
+            "generate {shape} on {} ({kv_cache:?} KV cache): {} sequences × {} new tokens = {tokens} \
+             tokens in {secs:.2} s → {tps:.0} tokens/s{versus}{memory}",
+            b.device,
             b.prompts * b.n,
             b.new_tokens
         )?;

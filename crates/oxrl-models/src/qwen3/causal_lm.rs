@@ -2,6 +2,7 @@
 //! tower): the decoder body, the LM head and the checkpoint's configuration.
 
 use super::config::{text_prefix, ModelConfig};
+use super::kv_cache::CacheKind;
 use super::model::Qwen3Model;
 use super::visual::{Vision, VisualInjection, NOT_PROMPT};
 use crate::checkpoint::load_tensors;
@@ -41,6 +42,8 @@ pub struct Qwen3 {
     pub vision: Option<Vision>,
     pub dtype: DType,
     pub device: Device,
+    /// Where the inference path's KV caches live ([`CacheKind::for_device`] unless set).
+    pub kv_cache: CacheKind,
 }
 
 impl Qwen3 {
@@ -111,6 +114,7 @@ impl Qwen3 {
             vision,
             dtype,
             device: device.clone(),
+            kv_cache: CacheKind::for_device(device),
         })
     }
 

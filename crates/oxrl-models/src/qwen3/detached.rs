@@ -24,6 +24,7 @@ impl Qwen3 {
             }),
             dtype: self.dtype,
             device: self.device.clone(),
+            kv_cache: self.kv_cache,
         }
     }
 }

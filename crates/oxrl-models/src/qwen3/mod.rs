@@ -37,7 +37,7 @@ pub use attention::Attention;
 pub use causal_lm::Qwen3;
 pub use decoder_layer::DecoderLayer;
 pub use image_prompting::ImagePrompting;
-pub use kv_cache::{KvCache, VocabSlices};
+pub use kv_cache::{CacheKind, KvCache, VocabSlices};
 pub use mlp::Mlp;
 pub use model::Qwen3Model;
 pub use reward_model::Qwen3RewardModel;

@@ -2,9 +2,18 @@
 //! its own KV cache, so a decode step costs one new token per sequence and never recomputes a prefix.
 //!
 //! The new tokens of all sequences are flattened into one `[T, D]` matrix, so projections, MLP and
-//! lm_head run as single large matmuls; only attention, which differs per sequence, is a loop over
-//! sequences (written out over f32 slices, in parallel). It applies the same RMSNorm, RoPE and
-//! softmax-in-f32 as the training path, so the two give the same numbers.
+//! lm_head run as single large matmuls; only attention, which differs per sequence, depends on
+//! where the cache lives:
+//! - [`CacheKind::Host`] (the CPU default): per-sequence f32 rows, attention written out over
+//!   slices in parallel ([`host`]);
+//! - [`CacheKind::Pooled`] (the default on a GPU): one device tensor per layer holds every
+//!   sequence, and attention is a few batched kernels per layer ([`pool`]).
+//!
+//! Both apply the same RMSNorm, RoPE and softmax-in-f32 as the training path, so all three give
+//! the same numbers.
+
+mod host;
+mod pool;
 
 use super::rotary::rope_tables;
 use super::visual::{VisualInjection, NOT_PROMPT};
@@ -12,24 +21,45 @@ use super::Qwen3;
 use crate::error::{ModelError, Result};
 use crate::image::ProcessedImage;
 use crate::ops::linear;
-use candle_core::{DType, Tensor};
-use rayon::prelude::*;
+use candle_core::{DType, Device, Tensor};
+use pool::{PoolKey, PooledStep, SharedPool, Slot};
 use std::sync::Arc;
 
-/// Keys and values of one sequence: per layer, rows `[position][kv_head][hd]` in f32.
-#[derive(Debug, Clone, Default)]
+/// Where a model's inference caches keep keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheKind {
+    /// Per-sequence f32 vectors in host memory; fastest on a CPU.
+    Host,
+    /// One pool of device tensors shared by every sequence; what a GPU needs.
+    Pooled,
+}
+
+impl CacheKind {
+    /// Host on the CPU, pooled elsewhere.
+    pub fn for_device(device: &Device) -> Self {
+        match device.is_cpu() {
+            true => CacheKind::Host,
+            false => CacheKind::Pooled,
+        }
+    }
+}
+
+/// Keys and values of one sequence, and how far it has got.
+#[derive(Debug)]
 pub struct KvCache {
-    layers: Vec<LayerCache>,
+    store: Store,
     len: usize,
     /// How far rotary positions run ahead of token indices after the prompt's images
     /// (`rope_delta` of Qwen3-VL's `get_rope_index`; 0 for text).
     rope_delta: i64,
 }
 
-#[derive(Debug, Clone, Default)]
-struct LayerCache {
-    k: Vec<f32>,
-    v: Vec<f32>,
+#[derive(Debug)]
+enum Store {
+    /// One entry per layer.
+    Host(Vec<host::LayerRows>),
+    /// A slot in the pool, given at the sequence's first step.
+    Pooled(Option<Slot>),
 }
 
 impl KvCache {
@@ -41,63 +71,71 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Where this cache keeps its rows.
+    pub fn kind(&self) -> CacheKind {
+        match self.store {
+            Store::Host(_) => CacheKind::Host,
+            Store::Pooled(_) => CacheKind::Pooled,
+        }
+    }
+
+    /// An independent copy, for another sample continuing the same prefix.
+    pub fn fork(&self) -> Result<KvCache> {
+        let store = match &self.store {
+            Store::Host(layers) => Store::Host(layers.clone()),
+            Store::Pooled(None) => Store::Pooled(None),
+            Store::Pooled(Some(slot)) => Store::Pooled(Some(slot.fork(self.len)?)),
+        };
+        Ok(KvCache {
+            store,
+            len: self.len,
+            rope_delta: self.rope_delta,
+        })
+    }
 }
 
 /// Geometry of one attention call, shared by every sequence of a step.
-struct Heads {
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
 }
 
-impl Heads {
-    /// Causal attention of `n` new query rows (positions `past..past+n`) over a cache holding
-    /// `past + n` rows; writes `[n, heads*hd]` into `out`.
-    fn attend(&self, q: &[f32], k: &[f32], v: &[f32], past: usize, out: &mut [f32]) {
-        let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
-        let n_rep = h / kv;
-        let scale = (hd as f32).powf(-0.5);
-        let n = q.len() / (h * hd);
-        let mut scores = vec![0f32; past + n];
-        for j in 0..n {
-            let visible = past + j + 1;
-            for head in 0..h {
-                let kvh = head / n_rep;
-                let qv = &q[(j * h + head) * hd..][..hd];
-                let mut max = f32::NEG_INFINITY;
-                for (t, s) in scores[..visible].iter_mut().enumerate() {
-                    let kr = &k[(t * kv + kvh) * hd..][..hd];
-                    *s = qv.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    max = max.max(*s);
-                }
-                let mut sum = 0f32;
-                for s in &mut scores[..visible] {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let o = &mut out[(j * h + head) * hd..][..hd];
-                o.fill(0.0);
-                for (t, s) in scores[..visible].iter().enumerate() {
-                    let p = s / sum;
-                    let vr = &v[(t * kv + kvh) * hd..][..hd];
-                    for (a, b) in o.iter_mut().zip(vr) {
-                        *a += p * b;
-                    }
-                }
-            }
-        }
+impl Geometry {
+    fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
     }
 }
 
-fn to_f32_vec(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+/// The kind every cache of a step shares, or an error naming the mix.
+fn common_kind(caches: &[&mut KvCache]) -> Result<CacheKind> {
+    let kind = caches.first().map_or(CacheKind::Host, |c| c.kind());
+    match caches.iter().all(|c| c.kind() == kind) {
+        true => Ok(kind),
+        false => Err(ModelError::InvalidInput(
+            "one forward_cached step mixes host and pooled KV caches".into(),
+        )),
+    }
 }
 
 impl Qwen3 {
-    /// An empty cache for one sequence.
+    /// An empty cache for one sequence, of the model's [`Qwen3::kv_cache`] kind.
     pub fn new_cache(&self) -> KvCache {
+        let store = match self.kv_cache {
+            CacheKind::Host => Store::Host(vec![
+                host::LayerRows::default();
+                self.config.num_hidden_layers
+            ]),
+            CacheKind::Pooled => Store::Pooled(None),
+        };
         KvCache {
-            layers: vec![LayerCache::default(); self.config.num_hidden_layers],
+            store,
             len: 0,
             rope_delta: 0,
         }
@@ -133,15 +171,11 @@ impl Qwen3 {
             ));
         }
         let c = &self.config;
-        let heads = Heads {
+        let geometry = Geometry {
             heads: c.num_attention_heads,
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
         };
-        let (q_width, kv_width) = (
-            heads.heads * heads.head_dim,
-            heads.kv_heads * heads.head_dim,
-        );
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut offsets = vec![0usize];
@@ -207,38 +241,40 @@ impl Qwen3 {
         if let Some(v) = &visual {
             x = v.write_embeds(&x)?;
         }
-        for (l, layer) in self.model.layers.iter().enumerate() {
-            let xn = layer.input_layernorm.forward(&x, c.rms_norm_eps)?;
-            let (q, k, v) = layer.self_attn.qkv(c, &xn, &cos, &sin)?;
-            let (q, k, v) = (to_f32_vec(&q)?, to_f32_vec(&k)?, to_f32_vec(&v)?);
-            let mut attn = vec![0f32; total * q_width];
-            let mut outs = Vec::with_capacity(chunks.len());
-            let mut rest = attn.as_mut_slice();
-            for w in offsets.windows(2) {
-                let (head, tail) = rest.split_at_mut((w[1] - w[0]) * q_width);
-                outs.push(head);
-                rest = tail;
+        let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        let pasts: Vec<usize> = caches.iter().map(|c| c.len).collect();
+        let x = match common_kind(caches)? {
+            CacheKind::Host => {
+                let mut layers: Vec<&mut Vec<host::LayerRows>> = caches
+                    .iter_mut()
+                    .filter_map(|c| match &mut c.store {
+                        Store::Host(layers) => Some(layers),
+                        Store::Pooled(_) => None,
+                    })
+                    .collect();
+                self.decoder_pass(x, (&cos, &sin), visual.as_ref(), |l, qkv| {
+                    let mut rows: Vec<&mut host::LayerRows> =
+                        layers.iter_mut().map(|c| &mut c[l]).collect();
+                    host::attend_layer(&geometry, qkv, &offsets, &mut rows, &pasts)
+                })?
             }
-            caches
-                .par_iter_mut()
-                .zip(outs)
-                .enumerate()
-                .for_each(|(i, (cache, out))| {
-                    let (a, b) = (offsets[i], offsets[i + 1]);
-                    let past = cache.len;
-                    let lc = &mut cache.layers[l];
-                    lc.k.extend_from_slice(&k[a * kv_width..b * kv_width]);
-                    lc.v.extend_from_slice(&v[a * kv_width..b * kv_width]);
-                    heads.attend(&q[a * q_width..b * q_width], &lc.k, &lc.v, past, out);
-                });
-            let attn =
-                Tensor::from_vec(attn, (total, q_width), &self.device)?.to_dtype(self.dtype)?;
-            x = (x + layer.self_attn.project_out(&attn)?)?;
-            x = layer.mlp_residual(c, &x)?;
-            if let Some(v) = &visual {
-                x = v.add_deepstack(&x, l)?;
+            CacheKind::Pooled => {
+                let mut slots: Vec<&mut Option<Slot>> = caches
+                    .iter_mut()
+                    .filter_map(|c| match &mut c.store {
+                        Store::Pooled(slot) => Some(slot),
+                        Store::Host(_) => None,
+                    })
+                    .collect();
+                let pool = self.pool_of(&slots)?;
+                let mut rows = pool.lock();
+                let step =
+                    PooledStep::prepare(&pool, &mut rows, geometry, &mut slots, &pasts, &lens)?;
+                self.decoder_pass(x, (&cos, &sin), visual.as_ref(), |l, qkv| {
+                    step.attend(&rows, l, qkv)
+                })?
             }
-        }
+        };
         for ((cache, chunk), delta) in caches.iter_mut().zip(chunks).zip(deltas) {
             cache.len += chunk.len();
             cache.rope_delta = delta;
@@ -249,7 +285,11 @@ impl Qwen3 {
             .model
             .norm
             .forward(&x.index_select(&last, 0)?, c.rms_norm_eps)?;
-        let rows = (LM_HEAD_SLICE_ELEMENTS / c.hidden_size).max(1024);
+        // On a GPU one matmul, so the sampler's copy to the host is one transfer per step.
+        let rows = match self.device.is_cpu() {
+            true => (LM_HEAD_SLICE_ELEMENTS / c.hidden_size).max(1024),
+            false => c.vocab_size,
+        };
         let mut slices = Vec::new();
         let mut start = 0;
         while start < c.vocab_size {
@@ -260,6 +300,49 @@ impl Qwen3 {
             start += rows;
         }
         Ok(VocabSlices { slices })
+    }
+
+    /// The decoder layers over the step's new rows `x [T, D]`, with `attend(layer, (q, k, v))`
+    /// doing each layer's cached attention → `[T, heads·hd]`.
+    fn decoder_pass(
+        &self,
+        mut x: Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        visual: Option<&VisualInjection>,
+        mut attend: impl FnMut(usize, (&Tensor, &Tensor, &Tensor)) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let c = &self.config;
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let xn = layer.input_layernorm.forward(&x, c.rms_norm_eps)?;
+            let (q, k, v) = layer.self_attn.qkv(c, &xn, cos, sin)?;
+            let attn = attend(l, (&q, &k, &v))?.to_dtype(self.dtype)?;
+            x = (x + layer.self_attn.project_out(&attn)?)?;
+            x = layer.mlp_residual(c, &x)?;
+            if let Some(v) = visual {
+                x = v.add_deepstack(&x, l)?;
+            }
+        }
+        Ok(x)
+    }
+
+    /// The pool the step's caches use: the one their slots are in, or this model's key's.
+    fn pool_of(&self, slots: &[&mut Option<Slot>]) -> Result<Arc<SharedPool>> {
+        let key = PoolKey {
+            device: self.device.clone(),
+            layers: self.config.num_hidden_layers,
+            width: self.config.num_key_value_heads * self.config.head_dim,
+            dtype: self.dtype,
+        };
+        let mut held = slots.iter().filter_map(|s| s.as_ref()).map(Slot::pool);
+        let Some(pool) = held.next() else {
+            return Ok(SharedPool::for_key(key));
+        };
+        if !pool.key().matches(&key) || held.any(|p| !Arc::ptr_eq(p, pool)) {
+            return Err(ModelError::InvalidInput(
+                "a KV cache was made by a model of another shape, dtype or device".into(),
+            ));
+        }
+        Ok(pool.clone())
     }
 }
 
