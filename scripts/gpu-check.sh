@@ -13,9 +13,12 @@
 #   2. the grpo-step fixture replayed on CUDA: loss, pg_loss, kl and grad_norm within 1e-4
 #      relative of the CPU replay, and every parameter after the step within 1e-4 of it (the
 #      fixture's own tolerance against verl);
-#   3. `bench grpo-step --device cuda` on W1 (f32) and on Qwen3-0.6B's shape (random bf16
+#   3. `generate` of qwen3-tiny, greedy, on CUDA (the pooled KV cache) gives the CPU's tokens;
+#   4. `bench grpo-step --device cuda` on W1 (f32) and on Qwen3-0.6B's shape (random bf16
 #      weights): seconds per phase, tokens/s, TFLOP/s against the GPU's measured matmul peak, and
-#      the most GPU memory in use.
+#      the most GPU memory in use;
+#   5. `bench generate --device cuda` on W1 with 256 sequences (the issue's decode target:
+#      5,000 tokens/s on an H200) and on Qwen3-0.6B's shape in bf16.
 # Each check prints PASS or FAIL with its figures; the whole report also goes to
 # $OUT/gpu-check.txt when $OUT is set. The exit status is non-zero if any check failed.
 # OXRL_GPU_CHECK_DEVICE=cpu rehearses `run` on a machine without a GPU (every "cuda" run on the
@@ -62,6 +65,18 @@ assert len(a) == len(b) and all(len(x) == len(y) for x, y in zip(a, b)), "shapes
 worst = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x, y))
 print(f"  max |Δ log-prob| vs cpu: {worst:.3g} (tolerance {sys.argv[3]})")
 sys.exit(0 if worst <= float(sys.argv[3]) else 1)
+EOF
+}
+
+# Greedy completions of two `generate` outputs have the same tokens.
+generations_match() {
+    python3 - "$1" "$2" <<'EOF'
+import json, sys
+a = [json.loads(l)["response_ids"] for l in open(sys.argv[1])]
+b = [json.loads(l)["response_ids"] for l in open(sys.argv[2])]
+same = sum(x == y for x, y in zip(a, b))
+print(f"  {same} of {len(a)} greedy completions equal ({len(b)} on the second device)")
+sys.exit(0 if a and len(a) == len(b) and same == len(a) else 1)
 EOF
 }
 
@@ -149,10 +164,23 @@ run_checks() {
     replay "$gpu" "$work/replay-gpu" || echo "  the $gpu replay failed"
     pass_or_fail "grpo-step replay ($gpu vs cpu)" replays_match "$work/replay-cpu" "$work/replay-gpu"
 
+    local tiny="$kit/fixtures/qwen3-tiny"
+    for device in cpu "$gpu"; do
+        timeout 120 "$oxrl" generate --model "$tiny" --input "$tiny/cases.jsonl" --device "$device" \
+            --temperature 0 --max-new-tokens 32 --ignore-eos --output "$work/greedy.$device.jsonl" ||
+            echo "  generate on $device failed"
+    done
+    pass_or_fail "generate qwen3-tiny greedy ($gpu vs cpu)" \
+        generations_match "$work/greedy.cpu.jsonl" "$work/greedy.$gpu.jsonl"
+
     pass_or_fail "bench grpo-step w1 f32" \
         timeout 150 "$oxrl" bench grpo-step --device "$gpu" --shape w1 --dtype f32
     pass_or_fail "bench grpo-step qwen3-0.6b bf16" \
         timeout 240 "$oxrl" bench grpo-step --device "$gpu" --shape qwen3-0.6b --dtype bf16
+    pass_or_fail "bench generate w1 f32, 256 sequences" \
+        timeout 90 "$oxrl" bench generate --device "$gpu" --shape w1 --prompts 32 --n 8 --new-tokens 128
+    pass_or_fail "bench generate qwen3-0.6b bf16, 256 sequences" \
+        timeout 90 "$oxrl" bench generate --device "$gpu" --shape qwen3-0.6b --dtype bf16 --prompts 32 --n 8 --new-tokens 128
     [ "$failed" = 0 ] && echo "gpu-check: every check passed" || echo "gpu-check: some checks FAILED"
     return "$failed"
 }
