@@ -4,35 +4,28 @@
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::{BTreeSet, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Every tensor of the checkpoint in `dir`, converted to `dtype`.
 pub fn load_tensors(dir: &Path, dtype: DType, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let mut tensors = HashMap::new();
+    for file in weight_files(dir)? {
+        for (name, t) in load_shard(&file, device)? {
+            tensors.insert(name, t.to_dtype(dtype)?);
+        }
+    }
+    Ok(tensors)
+}
+
+/// The safetensors files of a checkpoint directory: `model.safetensors`, or the shards its
+/// `model.safetensors.index.json` names.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
     let index = dir.join("model.safetensors.index.json");
-    let files: Vec<_> = if single.exists() {
-        vec![single]
-    } else if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
-            path: index.clone(),
-            source,
-        })?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|source| ModelError::Json {
-                path: index.clone(),
-                source,
-            })?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| ModelError::ConfigKey {
-                path: index.clone(),
-                key: "weight_map".into(),
-                expected: "an object from tensor name to shard file".into(),
-            })?;
-        let shards: BTreeSet<&str> = map.values().filter_map(|f| f.as_str()).collect();
-        shards.into_iter().map(|f| dir.join(f)).collect()
-    } else {
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    if !index.exists() {
         return Err(ModelError::Io {
             path: single,
             source: std::io::Error::new(
@@ -40,20 +33,33 @@ pub fn load_tensors(dir: &Path, dtype: DType, device: &Device) -> Result<HashMap
                 "no model.safetensors or model.safetensors.index.json in the model directory",
             ),
         });
-    };
-    let mut tensors = HashMap::new();
-    for file in files {
-        let loaded = candle_core::safetensors::load(&file, device).map_err(|source| {
-            ModelError::Safetensors {
-                path: file.clone(),
-                source,
-            }
-        })?;
-        for (name, t) in loaded {
-            tensors.insert(name, t.to_dtype(dtype)?);
-        }
     }
-    Ok(tensors)
+    let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+        path: index.clone(),
+        source,
+    })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|source| ModelError::Json {
+        path: index.clone(),
+        source,
+    })?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| ModelError::ConfigKey {
+            path: index.clone(),
+            key: "weight_map".into(),
+            expected: "an object from tensor name to shard file".into(),
+        })?;
+    let shards: BTreeSet<&str> = map.values().filter_map(|f| f.as_str()).collect();
+    Ok(shards.into_iter().map(|f| dir.join(f)).collect())
+}
+
+/// One safetensors file's tensors in their stored dtype, on `device`.
+pub fn load_shard(file: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    candle_core::safetensors::load(file, device).map_err(|source| ModelError::Safetensors {
+        path: file.to_path_buf(),
+        source,
+    })
 }
 
 /// Files beside the weights that a checkpoint directory carries through unchanged.

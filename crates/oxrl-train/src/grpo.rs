@@ -40,8 +40,14 @@ fn dtype(name: &str) -> DType {
 
 /// Builds the policy trainer of a run: the policy (from `policy_dir`) on the run's device, the
 /// reference model when `kl_coef > 0` (default: the policy's initial weights), AdamW with f32
-/// master weights read from `policy_dir` (a bf16 policy computes with their rounding).
-pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path, device: &Device) -> Result<PolicyTrainer> {
+/// master weights read from `policy_dir` (a bf16 policy computes with their rounding) — unless
+/// `resuming`, when the saved optimizer state brings them.
+pub fn build_trainer(
+    cfg: &RunConfig,
+    policy_dir: &Path,
+    device: &Device,
+    resuming: bool,
+) -> Result<PolicyTrainer> {
     let dt = dtype(&cfg.dtype);
     let mut policy = load_policy(policy_dir, dt, device)?;
     policy.set_vision_frozen(cfg.freeze_vision);
@@ -55,7 +61,9 @@ pub fn build_trainer(cfg: &RunConfig, policy_dir: &Path, device: &Device) -> Res
     let mut trainer =
         PolicyTrainer::new(policy, reference, cfg.algorithm.clone(), cfg.update.clone())?;
     trainer.max_staleness = cfg.max_staleness;
-    trainer.master_weights_from(policy_dir)?;
+    if !resuming {
+        trainer.master_weights_from(policy_dir)?;
+    }
     Ok(trainer)
 }
 
@@ -218,7 +226,7 @@ impl GrpoRun {
             Some((_, dir)) => (dir.clone(), Some(state::load_state(dir)?)),
             None => (model_dir.clone(), None),
         };
-        let mut trainer = build_trainer(&cfg, &policy_dir, &device)?;
+        let mut trainer = build_trainer(&cfg, &policy_dir, &device, trainer_state.is_some())?;
         let (step, cursor) = match &trainer_state {
             Some(s) => {
                 state::load_optimizer(&policy_dir, &mut trainer, s.optimizer_step)?;
@@ -669,7 +677,7 @@ pub fn replay(cfg: &RunConfig, rollouts: &Path) -> Result<BTreeMap<String, f64>>
     let model_dir = resolve_model(&cfg.model_path)?;
     let prompting = ImagePrompting::from_dir(&model_dir)?;
     crate::trajectory::attach_images(&mut trajs, rollouts, prompting.as_ref())?;
-    let mut trainer = build_trainer(cfg, &model_dir, &open_device(cfg)?)?;
+    let mut trainer = build_trainer(cfg, &model_dir, &open_device(cfg)?, false)?;
     let mut time = PhaseTimes::default();
     let learned = learn(&mut trainer, &trajs, &mut time)?;
     let mut m = learned_metrics(learned, &trajs);

@@ -160,7 +160,7 @@ pub fn run(cfg: &RunConfig, resume: bool, interrupt: &Interrupt) -> Result<SftSu
     let policy_dir = resumed
         .as_ref()
         .map_or(model_dir.clone(), |(_, d)| d.clone());
-    let mut trainer = build_trainer(cfg, &policy_dir, &open_device(cfg)?)?;
+    let mut trainer = build_trainer(cfg, &policy_dir, &open_device(cfg)?, resumed.is_some())?;
     let limit = LengthLimit {
         max_tokens: trainer.policy.max_positions(),
         drop: cfg.data.filter_overlong,

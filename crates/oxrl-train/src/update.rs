@@ -15,9 +15,9 @@ use crate::optim::{
 use crate::trajectory::Trajectory;
 use candle_core::{DType, Device, Tensor, Var};
 use oxrl_algo::{AdvantageConfig, BatchTotals, KlEstimator, LossAgg, PolicyLossConfig};
-use oxrl_models::{Entropy, PolicyModel, ScoreRequest};
+use oxrl_models::{checkpoint, Entropy, PolicyModel, ScoreRequest};
 use oxrl_rollout::WeightVersion;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 pub use crate::error::{Result, TrainError};
 
@@ -260,30 +260,42 @@ impl PolicyTrainer {
         {
             return Ok(());
         }
-        let full = oxrl_models::checkpoint::load_tensors(dir, DType::F32, &oxrl_models::HOST)?;
-        let masters = self
+        // Shard by shard in their stored dtype, so the host holds the masters and one shard,
+        // never the whole checkpoint in f32 beside them.
+        let slot: HashMap<&str, usize> = self
             .vars
             .iter()
-            .map(|(name, var)| {
-                let own = var.as_tensor();
-                let master = match full.get(name) {
-                    Some(t) if t.dims() == own.dims() => t.clone(),
-                    Some(t) => {
-                        return Err(TrainError::Invalid(format!(
-                            "master weights from {}: `{name}` is {:?} there and {:?} in the policy",
-                            dir.display(),
-                            t.dims(),
-                            own.dims()
-                        )))
-                    }
-                    None => {
-                        return Err(TrainError::Invalid(format!(
-                            "master weights from {}: the checkpoint has no `{name}`",
-                            dir.display()
-                        )))
-                    }
+            .enumerate()
+            .map(|(i, (name, _))| (name.as_str(), i))
+            .collect();
+        let mut masters: Vec<Option<Vec<f32>>> = vec![None; self.vars.len()];
+        for file in checkpoint::weight_files(dir)? {
+            for (name, t) in checkpoint::load_shard(&file, &oxrl_models::HOST)? {
+                let Some(&i) = slot.get(name.as_str()) else {
+                    continue;
                 };
-                Ok(master.flatten_all()?.to_vec1::<f32>()?)
+                let own = self.vars[i].1.as_tensor();
+                if t.dims() != own.dims() {
+                    return Err(TrainError::Invalid(format!(
+                        "master weights from {}: `{name}` is {:?} there and {:?} in the policy",
+                        file.display(),
+                        t.dims(),
+                        own.dims()
+                    )));
+                }
+                masters[i] = Some(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            }
+        }
+        let masters = masters
+            .into_iter()
+            .zip(&self.vars)
+            .map(|(m, (name, _))| {
+                m.ok_or_else(|| {
+                    TrainError::Invalid(format!(
+                        "master weights from {}: the checkpoint has no `{name}`",
+                        dir.display()
+                    ))
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         self.restore_optimizer(AdamW::new(self.update.optimizer, masters))

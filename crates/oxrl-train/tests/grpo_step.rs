@@ -289,3 +289,31 @@ fn bf16_step_stays_close_to_the_f32_step() {
         assert_eq!(same, 1.0, "{name}");
     }
 }
+
+/// A bf16 policy's f32 masters are the checkpoint's f32 values exactly, read shard by shard
+/// from a sharded checkpoint as from a single file.
+#[test]
+fn bf16_master_weights_are_the_checkpoints_f32_values_from_shards_too() {
+    let dir = fixture("grpo-step").join("policy");
+    let f32_policy = Qwen3::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let sharded = oxrl_fixtures::temp_dir("masters-sharded");
+    f32_policy
+        .save_with(&sharded, None, 20_000, &|_| Ok(()))
+        .unwrap();
+    assert!(sharded.join("model.safetensors.index.json").exists());
+    let masters = |from: &std::path::Path| {
+        let load = || Box::new(Qwen3::load(&dir, DType::BF16, &Device::Cpu).unwrap());
+        let mut trainer =
+            PolicyTrainer::new(load(), Some(load()), algorithm(), update(12)).unwrap();
+        trainer.master_weights_from(from).unwrap();
+        trainer.optimizer.state().unwrap()
+    };
+    let (single, shards) = (masters(&dir), masters(&sharded));
+    let want: Vec<_> = f32_policy.named_parameters();
+    assert_eq!(single.len(), want.len());
+    for (((name, w), a), b) in want.iter().zip(&single).zip(&shards) {
+        let w = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a.master, w, "{name} from the single file");
+        assert_eq!(b.master, w, "{name} from the shards");
+    }
+}
