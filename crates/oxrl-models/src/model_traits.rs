@@ -51,6 +51,11 @@ pub trait PolicyModel: Send + Sync {
     /// Keep the vision tower (if any) out of [`PolicyModel::make_trainable`].
     fn set_vision_frozen(&mut self, frozen: bool);
 
+    /// Recompute each decoder layer in the backward instead of keeping its activations
+    /// (`[trainer] gradient_checkpointing`); [`BatchLogprobs::backward`] then runs the layers'
+    /// part of the backward.
+    fn set_gradient_checkpointing(&mut self, on: bool);
+
     // The training path.
 
     /// Response log-probs (and entropies as `entropy` asks) of a batch as differentiable

@@ -352,7 +352,12 @@ impl VisionTower {
                     expected: shape.to_vec(),
                 });
             }
-            Ok(x.reshape(shape)?)
+            // A reshape to the same shape would still be a new tensor: keep the one given, so a
+            // trainable tower's weights are the optimizer's variables themselves.
+            match x.dims() == shape {
+                true => Ok(x),
+                false => Ok(x.reshape(shape)?),
+            }
         };
         let conv = [
             dv,

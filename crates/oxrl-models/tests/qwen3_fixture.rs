@@ -1,6 +1,8 @@
 //! Qwen3 against the transformers reference outputs in `../shared/fixtures/qwen3-tiny/`, and the
 //! two forward paths, saving and gradients against each other.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor, D};
 use oxrl_fixtures::{fixture, floats, ids, jsonl, temp_dir};
 use oxrl_models::{CacheKind, KvCache, Qwen3, ScoreRequest};
@@ -362,4 +364,11 @@ fn bad_ids_are_errors_not_panics() {
         images: Vec::new(),
     };
     assert!(model.score_batch(&[empty]).is_err());
+}
+
+/// Gradient checkpointing per layer gives full backprop's gradients.
+#[test]
+fn checkpointed_gradients_equal_full_backprop() {
+    let (reqs, _) = requests();
+    common::assert_checkpointed_gradients_match(tiny, &reqs);
 }

@@ -2,6 +2,8 @@
 //! `../shared/fixtures/qwen3-vl-tiny/`: pixel values, vision-tower and DeepStack outputs, MRoPE
 //! positions, logits and response log-probs; the KV-cache path and gradients against them.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use oxrl_fixtures::{fixture, floats, ids, jsonl};
 use oxrl_models::image::process;
@@ -316,4 +318,13 @@ fn a_generated_image_pad_is_text() {
         assert!((a - b).abs() <= 1e-5, "{a} vs {b}");
     }
     assert!(got[1].iter().all(|x| x.is_finite()));
+}
+
+/// Gradient checkpointing per layer gives full backprop's gradients, the vision tower's too
+/// (its image embeddings and DeepStack features enter the checkpointed layers as leaves).
+#[test]
+fn checkpointed_gradients_equal_full_backprop_through_the_vision_tower() {
+    let model = tiny_vl();
+    let (reqs, _) = requests(&model);
+    common::assert_checkpointed_gradients_match(tiny_vl, &reqs);
 }

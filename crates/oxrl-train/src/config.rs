@@ -69,6 +69,8 @@ pub struct RunConfig {
     pub max_staleness: u64,
     /// Qwen3-VL: the vision tower's weights stay fixed.
     pub freeze_vision: bool,
+    /// Recompute each decoder layer in the backward instead of keeping its activations.
+    pub gradient_checkpointing: bool,
     pub reference_path: Option<String>,
     pub data: DataConfig,
     pub rollout: RolloutConfig,
@@ -382,6 +384,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         device,
         max_staleness: given.value("trainer.max_staleness"),
         freeze_vision: given.value("model.freeze_vision"),
+        gradient_checkpointing: given.value("trainer.gradient_checkpointing"),
         reference_path: given.get("reference.path").map(local_or_hub),
         data,
         rollout,
@@ -438,6 +441,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(none.contains("max_staleness"), "{none}");
+    }
+
+    #[test]
+    fn gradient_checkpointing_is_off_unless_asked() {
+        let base = "policy_model = \"m\"\n";
+        assert!(!parse(base).unwrap().gradient_checkpointing);
+        let on = parse(&format!("{base}[trainer]\ngradient_checkpointing = true\n")).unwrap();
+        assert!(on.gradient_checkpointing);
     }
 
     #[test]

@@ -396,6 +396,7 @@ pub const KEYS: &[KeySpec] = table! {
     key("trainer", "micro_batch_size", int(1), Value("8"), "trajectories per forward/backward"),
     key("trainer", "gradient_accumulation_steps", int(1), Text("whole batch"), "micro-batches per optimizer step"),
     key("trainer", "ppo_epochs", int(1), Value("1"), "passes over each batch"),
+    key("trainer", "gradient_checkpointing", Kind::Bool, Value("false"), "keep only each decoder layer's input in the forward and recompute the layer in the backward: activation memory of one layer instead of all, for one more forward"),
     key("trainer", "max_steps", int(0), Value("100"), "training steps (a replay run does one per --rollouts file)"),
     key("trainer", "lr", Kind::Float(Positive), Value("1e-6"), "AdamW learning rate"),
     key("trainer", "adam_betas", Kind::Pair(Beta), Value("[0.9, 0.999]"), "AdamW betas"),

@@ -51,6 +51,7 @@ pub fn build_trainer(
     let dt = dtype(&cfg.dtype);
     let mut policy = load_policy(policy_dir, dt, device)?;
     policy.set_vision_frozen(cfg.freeze_vision);
+    policy.set_gradient_checkpointing(cfg.gradient_checkpointing);
     let reference = match cfg.algorithm.kl_coef > 0.0 {
         true => {
             let r = cfg.reference_path.as_deref().unwrap_or(&cfg.model_path);

@@ -13,9 +13,10 @@ use crate::optim::{
     adamw_on, clip_grad_norm, squared_norms, AdamW, AdamWConfig, LrSchedule, Optimizer,
 };
 use crate::trajectory::Trajectory;
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use oxrl_algo::{AdvantageConfig, BatchTotals, KlEstimator, LossAgg, PolicyLossConfig};
-use oxrl_models::{checkpoint, Entropy, PolicyModel, ScoreRequest};
+use oxrl_models::{checkpoint, BatchLogprobs, Entropy, PolicyModel, ScoreRequest};
 use oxrl_rollout::WeightVersion;
 use std::collections::{BTreeMap, HashMap};
 
@@ -409,7 +410,7 @@ impl PolicyTrainer {
                     loss_scale_factor: self.algorithm.loss_scale_factor,
                 };
                 for micro in batch.chunks(self.update.micro_batch_size.max(1)) {
-                    let (loss, m) =
+                    let (loss, m, out) =
                         self.micro_batch(trajs, micro, advantages, old, reference, &totals)?;
                     let mut at = 0;
                     for &i in micro {
@@ -421,7 +422,7 @@ impl PolicyTrainer {
                         at += n;
                     }
                     sums.add(m.metrics);
-                    self.accumulate(&mut acc, &loss)?;
+                    self.accumulate(&mut acc, &out.backward(&loss)?)?;
                 }
                 let applied = self.apply(acc)?;
                 report.grad_norm_per_param = applied.per_param;
@@ -445,7 +446,7 @@ impl PolicyTrainer {
         old: &OldPolicy,
         reference: Option<&[Vec<f32>]>,
         totals: &BatchTotals,
-    ) -> Result<(Tensor, MicroBatchOutput)> {
+    ) -> Result<(Tensor, MicroBatchOutput, BatchLogprobs)> {
         let algo = &self.algorithm;
         let dev = self.policy.device().clone();
         let mtrajs: Vec<&Trajectory> = micro.iter().map(|&i| &trajs[i]).collect();
@@ -455,10 +456,10 @@ impl PolicyTrainer {
             (false, Some(_)) => Entropy::None,
             (false, None) => Entropy::Value,
         };
-        let out = self
+        let mut out = self
             .policy
             .response_logprobs(&requests(&mtrajs, self.update.temperature), entropy_mode)?;
-        let entropy = match (out.entropy, &old.entropy) {
+        let entropy = match (out.entropy.take(), &old.entropy) {
             (Some(h), _) => h,
             (None, Some(before)) => flat(before, micro, &dev)?,
             (None, None) => return Err(TrainError::Invalid("entropy was not computed".into())),
@@ -483,12 +484,11 @@ impl PolicyTrainer {
             },
         )?;
         let logp = out.logprobs.to_vec1::<f32>()?;
-        Ok((loss, MicroBatchOutput { logp, metrics }))
+        Ok((loss, MicroBatchOutput { logp, metrics }, out))
     }
 
-    /// Adds the gradient of `loss` to `acc` (one slot per parameter).
-    fn accumulate(&self, acc: &mut [Option<Tensor>], loss: &Tensor) -> Result<()> {
-        let grads = loss.backward()?;
+    /// Adds a micro-batch's gradients to `acc` (one slot per parameter).
+    fn accumulate(&self, acc: &mut [Option<Tensor>], grads: &GradStore) -> Result<()> {
         for ((_, var), slot) in self.vars.iter().zip(acc.iter_mut()) {
             if let Some(g) = grads.get(var.as_tensor()) {
                 let g = g.to_dtype(DType::F32)?;
@@ -560,13 +560,10 @@ impl PolicyTrainer {
         let mut acc: Vec<Option<Tensor>> = vec![None; self.vars.len()];
         let mut nll = 0.0;
         for micro in batch.chunks(self.update.micro_batch_size.max(1)) {
-            let logp = self
-                .policy
-                .response_logprobs(micro, Entropy::None)?
-                .logprobs;
-            let loss = (logp.sum_all()? * (-1.0 / tokens as f64))?;
+            let out = self.policy.response_logprobs(micro, Entropy::None)?;
+            let loss = (out.logprobs.sum_all()? * (-1.0 / tokens as f64))?;
             nll += loss.to_scalar::<f32>()? as f64;
-            self.accumulate(&mut acc, &loss)?;
+            self.accumulate(&mut acc, &out.backward(&loss)?)?;
         }
         let Applied { grad_norm, lr, .. } = self.apply(acc)?;
         Ok(BTreeMap::from([

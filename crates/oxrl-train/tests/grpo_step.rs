@@ -54,8 +54,18 @@ fn update(micro_batch_size: usize) -> UpdateConfig {
 /// The fixture's policy and reference computing in `dtype`, with the f32 master weights read
 /// from the checkpoint.
 fn trainer(dtype: DType, micro_batch_size: usize) -> PolicyTrainer {
+    checkpointed_trainer(dtype, micro_batch_size, false)
+}
+
+/// [`trainer`], with gradient checkpointing as asked.
+fn checkpointed_trainer(
+    dtype: DType,
+    micro_batch_size: usize,
+    checkpointing: bool,
+) -> PolicyTrainer {
     let dir = fixture("grpo-step");
-    let policy = Qwen3::load(&dir.join("policy"), dtype, &Device::Cpu).unwrap();
+    let mut policy = Qwen3::load(&dir.join("policy"), dtype, &Device::Cpu).unwrap();
+    policy.gradient_checkpointing = checkpointing;
     let reference = Qwen3::load(&dir.join("ref"), dtype, &Device::Cpu).unwrap();
     let mut trainer = PolicyTrainer::new(
         Box::new(policy),
@@ -75,7 +85,11 @@ fn step(trainer: &mut PolicyTrainer) -> Learned {
 }
 
 fn run(micro_batch_size: usize) -> (PolicyTrainer, Learned) {
-    let mut trainer = trainer(DType::F32, micro_batch_size);
+    run_checkpointed(micro_batch_size, false)
+}
+
+fn run_checkpointed(micro_batch_size: usize, checkpointing: bool) -> (PolicyTrainer, Learned) {
+    let mut trainer = checkpointed_trainer(DType::F32, micro_batch_size, checkpointing);
     let learned = step(&mut trainer);
     (trainer, learned)
 }
@@ -107,10 +121,17 @@ fn per_token(v: &Value) -> Vec<Vec<f64>> {
         .collect()
 }
 
+/// The step matches verl's, with and without gradient checkpointing.
 #[test]
 fn grpo_step_matches_verl() {
+    for checkpointing in [false, true] {
+        step_matches_verl(checkpointing);
+    }
+}
+
+fn step_matches_verl(checkpointing: bool) {
     let want = expected();
-    let (trainer, learned) = run(12);
+    let (trainer, learned) = run_checkpointed(12, checkpointing);
     let report = &learned.report;
     for (g, w) in learned
         .advantages

@@ -79,6 +79,9 @@ pub struct GrpoStepBench {
     /// Trajectories per forward/backward in the update.
     #[arg(long, default_value_t = 8)]
     micro_batch_size: usize,
+    /// Recompute each decoder layer in the update's backward instead of keeping its activations.
+    #[arg(long)]
+    gradient_checkpointing: bool,
     /// Steps to time (the first is a warm-up and not counted when there are more).
     #[arg(long, default_value_t = 2)]
     steps: usize,
@@ -542,7 +545,8 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
     let device = b.device.open()?;
     let dtype = b.dtype.dtype();
     let peak = matmul_peak_gflops(&device, dtype)?;
-    let policy = shaped_model(b.shape, 0, dtype, &device)?;
+    let mut policy = shaped_model(b.shape, 0, dtype, &device)?;
+    policy.gradient_checkpointing = b.gradient_checkpointing;
     let config = policy.config.clone();
     let reference = shaped_model(b.shape, 1, dtype, &device)?;
     let memory = crate::device_memory::PeakWatch::start(&device)?;
@@ -609,7 +613,14 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
     let generated = (b.prompts * b.n * b.new_tokens) as f64;
     let (rollout_tokens_per_s, tokens_per_s) = (generated / avg("time/rollout"), generated / secs);
     let peak_memory_gib = memory.map(|m| m.stop() as f64 / (1u64 << 30) as f64);
-    let setup = format!("{:?} {} {:?}", b.shape, b.device, b.dtype).to_lowercase();
+    let host_rss_gib =
+        crate::device_memory::host_peak_rss().map(|b| b as f64 / (1u64 << 30) as f64);
+    let checkpointing = if b.gradient_checkpointing {
+        " checkpointed"
+    } else {
+        ""
+    };
+    let setup = format!("{:?} {} {:?}{checkpointing}", b.shape, b.device, b.dtype).to_lowercase();
     let phases = [
         "time/rollout",
         "time/old_logprobs",
@@ -631,6 +642,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         obj.insert("tokens_per_s".into(), tokens_per_s.into());
         obj.insert("setup".into(), setup.into());
         obj.insert("peak_device_memory_gib".into(), peak_memory_gib.into());
+        obj.insert("peak_host_rss_gib".into(), host_rss_gib.into());
         obj.insert("trl_seconds_per_step".into(), TRL_SECONDS_PER_STEP.into());
         obj.insert(
             "speedup_vs_trl".into(),
@@ -641,6 +653,10 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         let memory = peak_memory_gib
             .map(|g| format!("; peak device memory {g:.2} GiB"))
             .unwrap_or_default();
+        let memory = match host_rss_gib {
+            Some(g) => format!("{memory}; peak host RSS {g:.2} GiB"),
+            None => memory,
+        };
         say!(
             "grpo-step {setup}: {secs:.2} s/step (rollout {:.2}, old logprobs {:.2}, ref {:.2}, update {:.2}); \
              {tokens_per_s:.0} generated tokens/s per step, {rollout_tokens_per_s:.0} in the rollout; \

@@ -1,8 +1,18 @@
-//! The most GPU memory in use while a benchmark runs: the driver's free-memory figure, polled
+//! The most memory a benchmark held: the host's from the kernel, and the GPU's from the
+//! driver's free-memory figure, the driver's free-memory figure, polled
 //! every few milliseconds from a thread (an allocation that lives shorter than that can be
 //! missed, so the figure is a lower bound). Memory other processes hold counts too.
 
 use candle_core::Device;
+
+/// The most resident memory this process has held so far (`VmHWM` of `/proc/self/status`),
+/// in bytes; `None` where the kernel does not say (not Linux).
+pub fn host_peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
 
 /// Polls one GPU until [`PeakWatch::stop`]; none on a CPU.
 pub struct PeakWatch {

@@ -44,6 +44,9 @@ pub struct Qwen3 {
     pub device: Device,
     /// Where the inference path's KV caches live ([`CacheKind::for_device`] unless set).
     pub kv_cache: CacheKind,
+    /// Recompute each decoder layer in the backward instead of keeping its activations
+    /// ([`super::checkpointing`]).
+    pub gradient_checkpointing: bool,
 }
 
 impl Qwen3 {
@@ -115,6 +118,7 @@ impl Qwen3 {
             dtype,
             device: device.clone(),
             kv_cache: CacheKind::for_device(device),
+            gradient_checkpointing: false,
         })
     }
 
@@ -150,6 +154,7 @@ impl Qwen3 {
             vars.push((name, var));
         }
         let config_json = std::mem::take(&mut self.config_json);
+        let (kv_cache, checkpointing) = (self.kv_cache, self.gradient_checkpointing);
         let processor = self
             .vision
             .as_ref()
@@ -161,6 +166,7 @@ impl Qwen3 {
             self.dtype,
             &self.device,
         )?;
+        (self.kv_cache, self.gradient_checkpointing) = (kv_cache, checkpointing);
         if let (Some(v), Some((p, frozen))) = (&mut self.vision, processor) {
             v.processor = p;
             v.frozen = frozen;

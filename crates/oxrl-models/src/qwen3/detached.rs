@@ -25,6 +25,7 @@ impl Qwen3 {
             dtype: self.dtype,
             device: self.device.clone(),
             kv_cache: self.kv_cache,
+            gradient_checkpointing: self.gradient_checkpointing,
         }
     }
 }

@@ -17,6 +17,7 @@
 
 mod attention;
 mod causal_lm;
+pub mod checkpointing;
 mod config;
 mod decoder_layer;
 mod detached;
@@ -35,6 +36,7 @@ mod visual;
 
 pub use attention::Attention;
 pub use causal_lm::Qwen3;
+pub use checkpointing::LayerCheckpoints;
 pub use decoder_layer::DecoderLayer;
 pub use image_prompting::ImagePrompting;
 pub use kv_cache::{CacheKind, KvCache, VocabSlices};

@@ -97,6 +97,21 @@ impl Qwen3Model {
         positions: Option<&[[u32; 3]]>,
         visual: Option<&VisualInjection>,
     ) -> candle_core::Result<Tensor> {
+        let frame = self.frame(c, input_ids, positions)?;
+        let mut x = self.embed(c, input_ids, visual)?;
+        for l in 0..self.layers.len() {
+            x = self.layer(c, l, &x, &frame, visual)?;
+        }
+        self.norm.forward(&x, c.rms_norm_eps)
+    }
+
+    /// The rotary tables and causal mask of a `[B, S]` batch.
+    pub(crate) fn frame(
+        &self,
+        c: &Qwen3Config,
+        input_ids: &Tensor,
+        positions: Option<&[[u32; 3]]>,
+    ) -> candle_core::Result<Frame> {
         let (b, s) = input_ids.dims2()?;
         let (dtype, device) = (self.embed_tokens.dtype(), self.embed_tokens.device());
         let hd = c.head_dim;
@@ -115,21 +130,49 @@ impl Qwen3Model {
             .flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
             .collect();
         let mask = Tensor::from_vec(mask, (1, 1, s, s), device)?;
+        Ok(Frame { cos, sin, mask })
+    }
+
+    /// The token embeddings `[B, S, D]` of `input_ids`, images written over their tokens.
+    pub(crate) fn embed(
+        &self,
+        c: &Qwen3Config,
+        input_ids: &Tensor,
+        visual: Option<&VisualInjection>,
+    ) -> candle_core::Result<Tensor> {
+        let (b, s) = input_ids.dims2()?;
         let mut x = self
             .embed_tokens
             .index_select(&input_ids.flatten_all()?, 0)?;
         if let Some(v) = visual {
             x = v.write_embeds(&x)?;
         }
-        let mut x = x.reshape((b, s, c.hidden_size))?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(c, &x, &cos, &sin, &mask)?;
-            if let Some(v) = visual.filter(|v| l < v.deepstack.len()) {
-                x = v
-                    .add_deepstack(&x.reshape((b * s, c.hidden_size))?, l)?
-                    .reshape((b, s, c.hidden_size))?;
-            }
-        }
-        self.norm.forward(&x, c.rms_norm_eps)
+        x.reshape((b, s, c.hidden_size))
     }
+
+    /// Layer `l` over `x [B, S, D]`, then its DeepStack feature when it has one.
+    pub(crate) fn layer(
+        &self,
+        c: &Qwen3Config,
+        l: usize,
+        x: &Tensor,
+        frame: &Frame,
+        visual: Option<&VisualInjection>,
+    ) -> candle_core::Result<Tensor> {
+        let (b, s, d) = x.dims3()?;
+        let x = self.layers[l].forward(c, x, &frame.cos, &frame.sin, &frame.mask)?;
+        match visual.filter(|v| l < v.deepstack.len()) {
+            Some(v) => v
+                .add_deepstack(&x.reshape((b * s, d))?, l)?
+                .reshape((b, s, d)),
+            None => Ok(x),
+        }
+    }
+}
+
+/// What every layer of one batch's forward shares: rotary tables and the causal mask.
+pub(crate) struct Frame {
+    pub cos: Tensor,
+    pub sin: Tensor,
+    pub mask: Tensor,
 }

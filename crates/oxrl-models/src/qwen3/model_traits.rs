@@ -53,6 +53,10 @@ impl PolicyModel for Qwen3 {
         Qwen3::expand_image_pads(self, ids, images)
     }
 
+    fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
+    }
+
     fn set_vision_frozen(&mut self, frozen: bool) {
         if let Some(v) = &mut self.vision {
             v.frozen = frozen;

@@ -2,11 +2,13 @@
 //! batches, without gradient for old / reference log-probs and metrics, or as one
 //! differentiable tensor for the policy loss.
 
+use super::checkpointing::LayerCheckpoints;
 use super::visual::{VisualInjection, NOT_PROMPT};
 use super::Qwen3;
 use crate::error::{ModelError, Result};
 use crate::image::ProcessedImage;
 use crate::ops::linear;
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, D};
 use std::sync::Arc;
 
@@ -40,6 +42,20 @@ pub struct BatchLogprobs {
     pub entropy: Option<Tensor>,
     /// Response length of each request.
     pub lens: Vec<usize>,
+    /// With gradient checkpointing, the layers' part of the backward.
+    pub checkpoints: Option<LayerCheckpoints>,
+}
+
+impl BatchLogprobs {
+    /// The gradients of `loss` (built from these log-probs and entropies) for every weight,
+    /// through the recomputed layers when the forward was checkpointed.
+    pub fn backward(&self, loss: &Tensor) -> candle_core::Result<GradStore> {
+        let mut grads = loss.backward()?;
+        if let Some(c) = &self.checkpoints {
+            c.backward(&mut grads)?;
+        }
+        Ok(grads)
+    }
 }
 
 /// Per request: response log-probs, and entropies (empty when not asked for).
@@ -53,6 +69,15 @@ pub enum Entropy {
     Value,
     /// With a gradient (an entropy bonus in the loss): the slower differentiable path.
     Differentiable,
+}
+
+/// The final hidden states of a batch's response positions `[R, D]`, with their target ids,
+/// temperatures and, when checkpointed, the layers' backward.
+struct ResponseRows {
+    rows: Tensor,
+    targets: Vec<u32>,
+    temps: Vec<f32>,
+    checkpoints: Option<LayerCheckpoints>,
 }
 
 /// Padded tokens (batch × longest sequence) per training-path forward while scoring.
@@ -132,7 +157,12 @@ impl Qwen3 {
         longest: usize,
         with_entropy: bool,
     ) -> Result<LogprobsAndEntropy> {
-        let (rows, targets, temps) = self.response_hidden(batch, longest)?;
+        let ResponseRows {
+            rows,
+            targets,
+            temps,
+            ..
+        } = self.response_hidden(batch, longest, false)?;
         let chunk = (SCORE_LOGIT_ELEMENTS / self.config.vocab_size).max(1);
         let (mut flat, mut flat_h) = (Vec::with_capacity(targets.len()), Vec::new());
         let mut start = 0;
@@ -161,12 +191,14 @@ impl Qwen3 {
 
     /// Final hidden states of every response position of the batch, gathered into `[R, D]`
     /// (R = all response tokens, request after request), with the target ids and each row's
-    /// temperature. One right-padded forward over the batch.
+    /// temperature. One right-padded forward over the batch; with `checkpoint`, one that keeps
+    /// only the layer boundaries, and what its backward needs.
     fn response_hidden(
         &self,
         batch: &[ScoreRequest],
         longest: usize,
-    ) -> Result<(Tensor, Vec<u32>, Vec<f32>)> {
+        checkpoint: bool,
+    ) -> Result<ResponseRows> {
         let mut ids = Vec::with_capacity(batch.len() * longest);
         for r in batch {
             if r.prompt_ids.is_empty() || r.response_ids.is_empty() {
@@ -181,14 +213,14 @@ impl Qwen3 {
                 0,
             );
         }
-        let hidden = match self
+        let (hidden, checkpoints) = match self
             .vision
             .as_ref()
             .filter(|_| batch.iter().any(|r| !r.images.is_empty()))
         {
             None => {
                 let input = Tensor::from_vec(ids, (batch.len(), longest), &self.device)?;
-                self.forward_hidden(&input)?
+                self.training_hidden(&input, None, None, checkpoint)?
             }
             Some(vision) => {
                 let mut positions = Vec::with_capacity(ids.len());
@@ -210,7 +242,7 @@ impl Qwen3 {
                     .collect();
                 let visual = VisualInjection::new(vision, &locate, &images, &self.device)?;
                 let input = Tensor::from_vec(ids, (batch.len(), longest), &self.device)?;
-                self.forward_hidden_with(&input, Some(&positions), Some(&visual))?
+                self.training_hidden(&input, Some(&positions), Some(&visual), checkpoint)?
             }
         };
         let mut rows = Vec::with_capacity(batch.len());
@@ -227,7 +259,35 @@ impl Qwen3 {
                 r.response_ids.len(),
             ));
         }
-        Ok((Tensor::cat(&rows, 0)?, targets, temps))
+        Ok(ResponseRows {
+            rows: Tensor::cat(&rows, 0)?,
+            targets,
+            temps,
+            checkpoints,
+        })
+    }
+
+    /// [`Qwen3::forward_hidden_with`], checkpointed per layer when asked.
+    fn training_hidden(
+        &self,
+        input: &Tensor,
+        positions: Option<&[[u32; 3]]>,
+        visual: Option<&VisualInjection>,
+        checkpoint: bool,
+    ) -> candle_core::Result<(Tensor, Option<LayerCheckpoints>)> {
+        if !checkpoint {
+            return Ok((self.forward_hidden_with(input, positions, visual)?, None));
+        }
+        let weights = self
+            .named_parameters()
+            .iter()
+            .map(|(_, t)| t.id())
+            .chain([self.lm_head.id()])
+            .collect();
+        let (hidden, checkpoints) =
+            self.model
+                .forward_checkpointed(&self.config, input, positions, visual, weights)?;
+        Ok((hidden, Some(checkpoints)))
     }
 
     /// `lm_head(rows) / T` per row, in f32.
@@ -254,7 +314,12 @@ impl Qwen3 {
             .map(|r| r.prompt_ids.len() + r.response_ids.len())
             .max()
             .unwrap_or(0);
-        let (rows, targets, temps) = self.response_hidden(batch, longest)?;
+        let ResponseRows {
+            rows,
+            targets,
+            temps,
+            checkpoints,
+        } = self.response_hidden(batch, longest, self.gradient_checkpointing)?;
         let logits = self.scaled_logits(&rows, &temps)?;
         let logprobs = oxrl_nn::target_logprobs(&logits, &targets)?;
         let entropy = match entropy {
@@ -272,6 +337,7 @@ impl Qwen3 {
             logprobs,
             entropy,
             lens: batch.iter().map(|r| r.response_ids.len()).collect(),
+            checkpoints,
         })
     }
 }
