@@ -366,9 +366,10 @@ fn bad_ids_are_errors_not_panics() {
     assert!(model.score_batch(&[empty]).is_err());
 }
 
-/// Gradient checkpointing per layer gives full backprop's gradients.
+/// Gradient checkpointing per layer and the chunked lm_head + log-probs (alone, together, and
+/// with a differentiable entropy) give full backprop's log-probs and gradients.
 #[test]
-fn checkpointed_gradients_equal_full_backprop() {
+fn checkpointed_and_chunked_gradients_equal_full_backprop() {
     let (reqs, _) = requests();
-    common::assert_checkpointed_gradients_match(tiny, &reqs);
+    common::assert_memory_savers_match(tiny, &reqs);
 }

@@ -320,11 +320,12 @@ fn a_generated_image_pad_is_text() {
     assert!(got[1].iter().all(|x| x.is_finite()));
 }
 
-/// Gradient checkpointing per layer gives full backprop's gradients, the vision tower's too
-/// (its image embeddings and DeepStack features enter the checkpointed layers as leaves).
+/// Gradient checkpointing per layer and the chunked lm_head give full backprop's gradients,
+/// the vision tower's too (its image embeddings and DeepStack features enter the checkpointed
+/// layers as leaves).
 #[test]
-fn checkpointed_gradients_equal_full_backprop_through_the_vision_tower() {
+fn checkpointed_and_chunked_gradients_equal_full_backprop_through_the_vision_tower() {
     let model = tiny_vl();
     let (reqs, _) = requests(&model);
-    common::assert_checkpointed_gradients_match(tiny_vl, &reqs);
+    common::assert_memory_savers_match(tiny_vl, &reqs);
 }

@@ -54,18 +54,24 @@ fn update(micro_batch_size: usize) -> UpdateConfig {
 /// The fixture's policy and reference computing in `dtype`, with the f32 master weights read
 /// from the checkpoint.
 fn trainer(dtype: DType, micro_batch_size: usize) -> PolicyTrainer {
-    checkpointed_trainer(dtype, micro_batch_size, false)
+    saving_trainer(dtype, micro_batch_size, Saving::default())
 }
 
-/// [`trainer`], with gradient checkpointing as asked.
-fn checkpointed_trainer(
-    dtype: DType,
-    micro_batch_size: usize,
+/// Memory savers of the training path: layer checkpointing, lm_head in chunks of rows.
+#[derive(Debug, Clone, Copy, Default)]
+struct Saving {
     checkpointing: bool,
-) -> PolicyTrainer {
+    chunk_rows: Option<usize>,
+}
+
+/// [`trainer`], with the memory savers asked for.
+fn saving_trainer(dtype: DType, micro_batch_size: usize, saving: Saving) -> PolicyTrainer {
     let dir = fixture("grpo-step");
     let mut policy = Qwen3::load(&dir.join("policy"), dtype, &Device::Cpu).unwrap();
-    policy.gradient_checkpointing = checkpointing;
+    policy.gradient_checkpointing = saving.checkpointing;
+    if let Some(rows) = saving.chunk_rows {
+        policy.logit_chunk_elements = rows * policy.config.vocab_size;
+    }
     let reference = Qwen3::load(&dir.join("ref"), dtype, &Device::Cpu).unwrap();
     let mut trainer = PolicyTrainer::new(
         Box::new(policy),
@@ -85,11 +91,11 @@ fn step(trainer: &mut PolicyTrainer) -> Learned {
 }
 
 fn run(micro_batch_size: usize) -> (PolicyTrainer, Learned) {
-    run_checkpointed(micro_batch_size, false)
+    run_saving(micro_batch_size, Saving::default())
 }
 
-fn run_checkpointed(micro_batch_size: usize, checkpointing: bool) -> (PolicyTrainer, Learned) {
-    let mut trainer = checkpointed_trainer(DType::F32, micro_batch_size, checkpointing);
+fn run_saving(micro_batch_size: usize, saving: Saving) -> (PolicyTrainer, Learned) {
+    let mut trainer = saving_trainer(DType::F32, micro_batch_size, saving);
     let learned = step(&mut trainer);
     (trainer, learned)
 }
@@ -121,17 +127,21 @@ fn per_token(v: &Value) -> Vec<Vec<f64>> {
         .collect()
 }
 
-/// The step matches verl's, with and without gradient checkpointing.
+/// The step matches verl's, plain, with gradient checkpointing, and with checkpointing and the
+/// lm_head + log-probs in chunks of 5 rows.
 #[test]
 fn grpo_step_matches_verl() {
-    for checkpointing in [false, true] {
-        step_matches_verl(checkpointing);
+    for (checkpointing, chunk_rows) in [(false, None), (true, None), (true, Some(5))] {
+        step_matches_verl(Saving {
+            checkpointing,
+            chunk_rows,
+        });
     }
 }
 
-fn step_matches_verl(checkpointing: bool) {
+fn step_matches_verl(saving: Saving) {
     let want = expected();
-    let (trainer, learned) = run_checkpointed(12, checkpointing);
+    let (trainer, learned) = run_saving(12, saving);
     let report = &learned.report;
     for (g, w) in learned
         .advantages

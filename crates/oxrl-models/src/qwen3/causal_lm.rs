@@ -47,7 +47,16 @@ pub struct Qwen3 {
     /// Recompute each decoder layer in the backward instead of keeping its activations
     /// ([`super::checkpointing`]).
     pub gradient_checkpointing: bool,
+    /// Most logit elements the training path holds at once: a batch with more response rows
+    /// than this allows runs lm_head and the log-probs in chunks ([`super::chunked_head`]).
+    pub logit_chunk_elements: usize,
 }
+
+/// [`Qwen3::logit_chunk_elements`] unless set: 256 Mi elements (1 GiB of f32 logits; 1,766
+/// response tokens at Qwen3's vocabulary). Chunks cost one more lm_head forward per row, so
+/// batches below this keep their logits (W1's 512 rows: the update took 1.5–1.8× as long
+/// chunked by 220 rows on 2 cores).
+pub const LOGIT_CHUNK_ELEMENTS: usize = 1 << 28;
 
 impl Qwen3 {
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
@@ -119,6 +128,7 @@ impl Qwen3 {
             device: device.clone(),
             kv_cache: CacheKind::for_device(device),
             gradient_checkpointing: false,
+            logit_chunk_elements: LOGIT_CHUNK_ELEMENTS,
         })
     }
 
@@ -154,7 +164,11 @@ impl Qwen3 {
             vars.push((name, var));
         }
         let config_json = std::mem::take(&mut self.config_json);
-        let (kv_cache, checkpointing) = (self.kv_cache, self.gradient_checkpointing);
+        let settings = (
+            self.kv_cache,
+            self.gradient_checkpointing,
+            self.logit_chunk_elements,
+        );
         let processor = self
             .vision
             .as_ref()
@@ -166,7 +180,11 @@ impl Qwen3 {
             self.dtype,
             &self.device,
         )?;
-        (self.kv_cache, self.gradient_checkpointing) = (kv_cache, checkpointing);
+        (
+            self.kv_cache,
+            self.gradient_checkpointing,
+            self.logit_chunk_elements,
+        ) = settings;
         if let (Some(v), Some((p, frozen))) = (&mut self.vision, processor) {
             v.processor = p;
             v.frozen = frozen;

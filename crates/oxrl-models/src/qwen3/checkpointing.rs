@@ -142,11 +142,11 @@ impl LayerCheckpoints {
                 Some(g) => g.clone(),
                 None => self.inputs[l].zeros_like()?,
             };
-            merge(grads, step, keep)?;
+            merge_into(grads, step, keep)?;
             layer_done(l, grads)?;
         }
         let embedded = self.body.embed(c, &self.input_ids, leaves)?;
-        merge(grads, (embedded * &upstream)?.sum_all()?.backward()?, keep)?;
+        merge_into(grads, (embedded * &upstream)?.sum_all()?.backward()?, keep)?;
         if let Some(v) = &self.visual {
             let mut through_tower: Option<Tensor> = None;
             for (leaf, output) in v.pairs() {
@@ -159,7 +159,7 @@ impl LayerCheckpoints {
                 }
             }
             if let Some(s) = through_tower {
-                merge(grads, s.backward()?, |id| self.weights.contains(id))?;
+                merge_into(grads, s.backward()?, |id| self.weights.contains(id))?;
             }
         }
         Ok(())
@@ -167,7 +167,7 @@ impl LayerCheckpoints {
 }
 
 /// Adds the gradients `from` holds for the tensors `keep` picks to `into`.
-fn merge(
+pub(crate) fn merge_into(
     into: &mut GradStore,
     from: GradStore,
     keep: impl Fn(&TensorId) -> bool,

@@ -26,6 +26,7 @@ impl Qwen3 {
             device: self.device.clone(),
             kv_cache: self.kv_cache,
             gradient_checkpointing: self.gradient_checkpointing,
+            logit_chunk_elements: self.logit_chunk_elements,
         }
     }
 }

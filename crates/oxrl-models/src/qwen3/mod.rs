@@ -18,6 +18,7 @@
 mod attention;
 mod causal_lm;
 pub mod checkpointing;
+pub mod chunked_head;
 mod config;
 mod decoder_layer;
 mod detached;
@@ -37,6 +38,7 @@ mod visual;
 pub use attention::Attention;
 pub use causal_lm::Qwen3;
 pub use checkpointing::LayerCheckpoints;
+pub use chunked_head::ChunkedHead;
 pub use decoder_layer::DecoderLayer;
 pub use image_prompting::ImagePrompting;
 pub use kv_cache::{CacheKind, KvCache, VocabSlices};

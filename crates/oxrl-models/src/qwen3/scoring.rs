@@ -3,13 +3,13 @@
 //! differentiable tensor for the policy loss.
 
 use super::checkpointing::LayerCheckpoints;
+use super::chunked_head::{differentiable_entropy, scaled_logits, ChunkEntropy, ChunkedHead};
 use super::visual::{VisualInjection, NOT_PROMPT};
 use super::Qwen3;
 use crate::error::{ModelError, Result};
 use crate::image::ProcessedImage;
-use crate::ops::linear;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, D};
+use candle_core::Tensor;
 use std::sync::Arc;
 
 /// One sequence to score: `log p(response[i] | prompt ++ response[..i])` at a temperature.
@@ -42,6 +42,8 @@ pub struct BatchLogprobs {
     pub entropy: Option<Tensor>,
     /// Response length of each request.
     pub lens: Vec<usize>,
+    /// With the head chunked over the response rows, its part of the backward.
+    pub head: Option<ChunkedHead>,
     /// With gradient checkpointing, the layers' part of the backward.
     pub checkpoints: Option<LayerCheckpoints>,
 }
@@ -51,6 +53,9 @@ impl BatchLogprobs {
     /// through the recomputed layers when the forward was checkpointed.
     pub fn backward(&self, loss: &Tensor) -> candle_core::Result<GradStore> {
         let mut grads = loss.backward()?;
+        if let Some(h) = &self.head {
+            h.backward(&mut grads)?;
+        }
         if let Some(c) = &self.checkpoints {
             c.backward(&mut grads)?;
         }
@@ -168,8 +173,11 @@ impl Qwen3 {
         let mut start = 0;
         while start < targets.len() {
             let n = chunk.min(targets.len() - start);
-            let logits =
-                self.scaled_logits(&rows.narrow(0, start, n)?, &temps[start..start + n])?;
+            let logits = scaled_logits(
+                &rows.narrow(0, start, n)?,
+                &self.lm_head,
+                &temps[start..start + n],
+            )?;
             let (lp, h) =
                 oxrl_nn::logprob_entropy(&logits, &targets[start..start + n], with_entropy)?;
             flat.extend(lp);
@@ -290,16 +298,6 @@ impl Qwen3 {
         Ok((hidden, Some(checkpoints)))
     }
 
-    /// `lm_head(rows) / T` per row, in f32.
-    fn scaled_logits(&self, rows: &Tensor, temps: &[f32]) -> candle_core::Result<Tensor> {
-        let logits = linear(rows, &self.lm_head)?.to_dtype(DType::F32)?;
-        if temps.iter().all(|&t| t == 1.0) {
-            return Ok(logits);
-        }
-        let t = Tensor::from_slice(temps, (temps.len(), 1), &self.device)?;
-        logits.broadcast_div(&t)
-    }
-
     /// Response log-probs of the whole batch as one differentiable `[R]` tensor (the training
     /// path: gradients reach every weight), requests one after another, through the fused
     /// vocabulary kernel; plus per-token entropies of the temperature-scaled distribution as
@@ -320,7 +318,25 @@ impl Qwen3 {
             temps,
             checkpoints,
         } = self.response_hidden(batch, longest, self.gradient_checkpointing)?;
-        let logits = self.scaled_logits(&rows, &temps)?;
+        let lens = batch.iter().map(|r| r.response_ids.len()).collect();
+        let chunk = (self.logit_chunk_elements / self.config.vocab_size).max(1);
+        if targets.len() > chunk {
+            let mode = match entropy {
+                Entropy::None => ChunkEntropy::None,
+                Entropy::Value => ChunkEntropy::Value,
+                Entropy::Differentiable => ChunkEntropy::Differentiable,
+            };
+            let (logprobs, entropy, head) =
+                ChunkedHead::forward(rows, &self.lm_head, targets, temps, chunk, mode)?;
+            return Ok(BatchLogprobs {
+                logprobs,
+                entropy,
+                lens,
+                head: Some(head),
+                checkpoints,
+            });
+        }
+        let logits = scaled_logits(&rows, &self.lm_head, &temps)?;
         let logprobs = oxrl_nn::target_logprobs(&logits, &targets)?;
         let entropy = match entropy {
             Entropy::None => None,
@@ -328,15 +344,13 @@ impl Qwen3 {
                 let h = oxrl_nn::logprob_entropy(&logits.detach(), &targets, true)?.1;
                 Some(Tensor::from_vec(h, targets.len(), &self.device)?)
             }
-            Entropy::Differentiable => {
-                let logp_all = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-                Some((logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?)
-            }
+            Entropy::Differentiable => Some(differentiable_entropy(&logits)?),
         };
         Ok(BatchLogprobs {
             logprobs,
             entropy,
-            lens: batch.iter().map(|r| r.response_ids.len()).collect(),
+            lens,
+            head: None,
             checkpoints,
         })
     }
