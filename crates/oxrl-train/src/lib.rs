@@ -12,6 +12,7 @@ pub mod interrupt;
 pub mod loss;
 pub mod observe;
 pub mod optim;
+pub mod plan;
 pub mod reward_config;
 pub mod run_dir;
 pub mod sft;

@@ -6,7 +6,7 @@ use crate::output::say;
 use anyhow::Result;
 use candle_core::DType;
 use candle_core::Device;
-use oxrl_models::{CacheKind, DeviceSpec, PolicyModel, Qwen3, Qwen3Config, HOST};
+use oxrl_models::{CacheKind, DeviceSpec, PolicyModel, Qwen3, HOST};
 use oxrl_rollout::{Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams};
 use oxrl_train::{learn, PhaseTimes};
 use rand::{Rng, SeedableRng};
@@ -511,36 +511,6 @@ fn matmul_peak_gflops(device: &Device, dtype: DType) -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) * reps as f64 / start.elapsed().as_secs_f64() / 1e9)
 }
 
-/// Matrix FLOPs of one GRPO step on a model of config `c`: every generated token's decode
-/// forward, the prefill, the old and reference forwards over prompt + response, and the update's
-/// forward + backward (2× the forward). A forward costs 2·(layer weights) per token plus 2·vocab·hidden per scored
-/// token (lm_head runs on response positions only when scoring).
-fn grpo_step_flops(
-    c: &Qwen3Config,
-    prompt_tokens: usize,
-    responses: usize,
-    new_tokens: usize,
-    prompt_len: usize,
-) -> f64 {
-    let (d, i, l) = (
-        c.hidden_size as f64,
-        c.intermediate_size as f64,
-        c.num_hidden_layers as f64,
-    );
-    let (h, kv, hd) = (
-        c.num_attention_heads as f64,
-        c.num_key_value_heads as f64,
-        c.head_dim as f64,
-    );
-    let layer = l * (d * h * hd * 2.0 + d * kv * hd * 2.0 + 3.0 * d * i);
-    let head = c.vocab_size as f64 * d;
-    let decoded = (responses * new_tokens) as f64;
-    let rollout = 2.0 * (layer * (prompt_tokens as f64 + decoded) + head * decoded);
-    let sequence_tokens = (responses * (prompt_len + new_tokens)) as f64;
-    let forward = 2.0 * (layer * sequence_tokens + head * decoded);
-    rollout + forward * 2.0 + forward * 3.0
-}
-
 fn grpo_step(b: GrpoStepBench) -> Result<()> {
     let device = b.device.open()?;
     let dtype = b.dtype.dtype();
@@ -602,13 +572,14 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
     let secs = avg("time/step");
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     let prompt_len = prompt_tokens / prompts.len();
-    let flops = grpo_step_flops(
+    let flops = oxrl_train::plan::grpo_step_flops(
         &config,
         prompt_tokens,
         b.prompts * b.n,
         b.new_tokens,
         prompt_len,
-    );
+    )
+    .total();
     let achieved = flops / secs / 1e9;
     let generated = (b.prompts * b.n * b.new_tokens) as f64;
     let (rollout_tokens_per_s, tokens_per_s) = (generated / avg("time/rollout"), generated / secs);

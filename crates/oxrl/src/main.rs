@@ -7,6 +7,7 @@ mod generate;
 mod input;
 mod load;
 mod output;
+mod plan;
 mod score;
 mod serve;
 mod train;
@@ -56,6 +57,9 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Explain or check run configurations.
     Config(train::ConfigArgs),
+    /// Before launch: a run's memory per GPU by category, whether it fits, the largest
+    /// micro-batch that does, and an estimated step time and cost.
+    Plan(plan::PlanArgs),
     /// Speed benchmarks on random-weight models.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -100,6 +104,7 @@ fn main() -> ExitCode {
         Command::Sft(args) => stop_on_signals().and_then(|i| train::sft(args, &i)),
         Command::Serve(args) => done(serve::run(args)),
         Command::Config(args) => done(train::config(args)),
+        Command::Plan(args) => done(plan::run(args)),
         Command::Bench(cmd) => done(bench::run(cmd)),
     };
     match result {

@@ -36,7 +36,7 @@ mod scoring;
 mod visual;
 
 pub use attention::Attention;
-pub use causal_lm::Qwen3;
+pub use causal_lm::{Qwen3, LOGIT_CHUNK_ELEMENTS};
 pub use checkpointing::LayerCheckpoints;
 pub use chunked_head::ChunkedHead;
 pub use decoder_layer::DecoderLayer;
@@ -44,6 +44,7 @@ pub use image_prompting::ImagePrompting;
 pub use kv_cache::{CacheKind, KvCache, VocabSlices};
 pub use mlp::Mlp;
 pub use model::Qwen3Model;
+pub use random::parameter_shapes;
 pub use reward_model::Qwen3RewardModel;
 pub use rms_norm::RmsNorm;
 pub use scoring::{BatchLogprobs, Entropy, LogprobsAndEntropy, ScoreRequest};

@@ -4,7 +4,9 @@ use super::causal_lm::{BODY, LM_HEAD};
 use super::config::ModelConfig;
 use super::model::{Qwen3Model, EMBED_TOKENS};
 use super::Qwen3;
+use crate::config::Qwen3Config;
 use crate::error::Result;
+use crate::vision::VisionConfig;
 use crate::weights::Init;
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
@@ -58,19 +60,42 @@ impl Qwen3 {
             })
         };
         let mut t = HashMap::new();
-        if let Some((vc, _)) = &vision {
-            for (name, shape, init) in crate::vision::parameter_shapes(vc) {
-                t.insert(name, draw(&shape, init)?);
-            }
-        }
-        let vocab = [config.vocab_size, config.hidden_size];
-        t.insert(format!("{BODY}{EMBED_TOKENS}"), draw(&vocab, Init::Normal)?);
-        if !config.tie_word_embeddings {
-            t.insert(LM_HEAD.to_string(), draw(&vocab, Init::Normal)?);
-        }
-        for (name, slot) in Qwen3Model::layer_slots(&config, BODY) {
-            t.insert(name, draw(&slot.shape, slot.init)?);
+        for (name, shape, init) in slots(&config, vision.as_ref().map(|(vc, _)| vc)) {
+            t.insert(name, draw(&shape, init)?);
         }
         Self::from_tensors(config_json, source, t, dtype, device)
     }
+}
+
+/// Every weight of a checkpoint of this shape: name, shape and initialisation, in the draw order
+/// of [`Qwen3::random`] (vision, embedding, LM head, then layer by layer).
+fn slots(config: &Qwen3Config, vision: Option<&VisionConfig>) -> Vec<(String, Vec<usize>, Init)> {
+    let mut out = Vec::new();
+    if let Some(vc) = vision {
+        out.extend(crate::vision::parameter_shapes(vc));
+    }
+    let vocab = vec![config.vocab_size, config.hidden_size];
+    out.push((format!("{BODY}{EMBED_TOKENS}"), vocab.clone(), Init::Normal));
+    if !config.tie_word_embeddings {
+        out.push((LM_HEAD.to_string(), vocab, Init::Normal));
+    }
+    for (name, slot) in Qwen3Model::layer_slots(config, BODY) {
+        out.push((name, slot.shape, slot.init));
+    }
+    out
+}
+
+/// Every weight's name and shape, by checkpoint name.
+pub type Shapes = Vec<(String, Vec<usize>)>;
+
+/// The decoder's configuration and every weight's name and shape for a Qwen3 or Qwen3-VL
+/// `config.json` (read from `source`, named in errors), without loading any weight: what
+/// `oxrl plan` counts.
+pub fn parameter_shapes(config_json: &Value, source: &Path) -> Result<(Qwen3Config, Shapes)> {
+    let ModelConfig { text, vision } = ModelConfig::from_value(config_json, source)?;
+    let shapes = slots(&text, vision.as_ref().map(|(vc, _)| vc))
+        .into_iter()
+        .map(|(name, shape, _)| (name, shape))
+        .collect();
+    Ok((text, shapes))
 }

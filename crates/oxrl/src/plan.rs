@@ -1,0 +1,218 @@
+//! `oxrl plan`: before launch, what a run's config needs per GPU and whether it fits.
+
+use crate::output::say;
+use anyhow::Result;
+use oxrl_models::qwen3::{parameter_shapes, LOGIT_CHUNK_ELEMENTS};
+use oxrl_train::config::RunConfig;
+use oxrl_train::plan::{accelerator, Accelerator, Workload, ASSUMED_MFU, RESERVED_FRACTION};
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct PlanArgs {
+    /// The run's TOML config.
+    #[arg(long)]
+    config: PathBuf,
+    /// GPUs the run is spread over (data parallel with ZeRO-2 when more than one).
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
+    /// The GPU model: h100, h200, a100-80, a100-40 or l40s.
+    #[arg(long, default_value = "h100")]
+    gpu: String,
+    /// Price of one GPU-hour, for the cost per step.
+    #[arg(long, default_value_t = 2.5)]
+    usd_per_gpu_hour: f64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The run `cfg` describes on `gpus` GPUs, and the model's name.
+fn workload(cfg: &RunConfig, gpus: usize) -> Result<(Workload, String)> {
+    let model_dir = oxrl_models::hub::resolve_model(&cfg.model_path)?;
+    let config_path = model_dir.join("config.json");
+    let config_json = oxrl_models::config::read_json(&config_path)?;
+    let (model, shapes) = parameter_shapes(&config_json, &config_path)?;
+    let parameters: u64 = shapes
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as u64)
+        .sum();
+    let architecture = config_json
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(|a| a.as_str())
+        .unwrap_or("Qwen3ForCausalLM");
+    let name = format!("{} ({architecture})", cfg.model_path);
+    let logit_chunk_rows = LOGIT_CHUNK_ELEMENTS / model.vocab_size.max(1);
+    let workload = Workload {
+        model,
+        parameters,
+        dtype_bytes: if cfg.dtype == "f32" { 4.0 } else { 2.0 },
+        reference: cfg.algorithm.kl_coef > 0.0,
+        gpus: gpus.max(1),
+        prompts: cfg.batch_size,
+        samples: cfg.rollout.n_samples_per_prompt,
+        prompt_tokens: cfg.data.max_prompt_length,
+        response_tokens: cfg.rollout.max_new_tokens,
+        micro_batch: cfg.update.micro_batch_size,
+        gradient_checkpointing: cfg.gradient_checkpointing,
+        logit_chunk_rows,
+    };
+    Ok((workload, name))
+}
+
+pub fn run(args: PlanArgs) -> Result<()> {
+    let cfg = RunConfig::from_file(&args.config)?;
+    let gpu = accelerator(&args.gpu).map_err(anyhow::Error::msg)?;
+    let (w, name) = workload(&cfg, args.gpus)?;
+    let budget = gpu.memory_bytes * (1.0 - RESERVED_FRACTION);
+    let memory = w.memory(w.micro_batch);
+    let fits = memory.training() <= budget;
+    let sequences = w.prompts * w.samples / w.gpus;
+    let at_once = memory.concurrent_sequences(budget).min(sequences);
+    let largest = w.largest_micro_batch(budget);
+    let time = w.step_seconds(&gpu);
+    let cost = time.total() * w.gpus as f64 * args.usd_per_gpu_hour / 3600.0;
+    if args.json {
+        say!(
+            "{}",
+            json!({
+                "model": name, "parameters": w.parameters, "gpus": w.gpus, "gpu": gpu.name,
+                "micro_batch": w.micro_batch, "gradient_checkpointing": w.gradient_checkpointing,
+                "bytes_per_gpu": {
+                    "weights": memory.weights, "gradients": memory.gradients,
+                    "optimizer": memory.optimizer, "activations": memory.activations,
+                    "activations_without_checkpointing": memory.activations_full,
+                    "activations_with_checkpointing": memory.activations_checkpointed,
+                    "logits": memory.logits, "kv_cache": memory.kv_cache,
+                    "training_peak": memory.training(), "rollout_peak": memory.rollout(),
+                    "available": budget,
+                },
+                "sequences_per_gpu": sequences, "sequences_decoded_at_once": at_once,
+                "fits": fits, "largest_micro_batch": largest,
+                "seconds_per_step": {"rollout": time.rollout, "training": time.training,
+                                     "total": time.total()},
+                "usd_per_step": cost, "usd_per_gpu_hour": args.usd_per_gpu_hour,
+            })
+        )?;
+        return Ok(());
+    }
+    table(&w, &name, &gpu, budget)?;
+    let verdict = match (fits, largest) {
+        (true, Some(m)) => format!("fits; the largest micro-batch that fits is {m}"),
+        (false, Some(m)) => format!(
+            "does NOT fit at micro-batch {}; set [trainer] micro_batch_size ≤ {m}",
+            w.micro_batch
+        ),
+        (false, None) if !w.gradient_checkpointing => {
+            "does NOT fit even at micro-batch 1; set [trainer] gradient_checkpointing = true, \
+             use more GPUs or shorter sequences"
+                .to_string()
+        }
+        _ => "does NOT fit even at micro-batch 1; use more GPUs or shorter sequences".to_string(),
+    };
+    say!("training {verdict}")?;
+    let rollout = match at_once >= sequences {
+        true => format!("rollout: all {sequences} sequences of this GPU decode at once"),
+        false => format!(
+            "rollout: {at_once} of this GPU's {sequences} sequences fit the KV cache at once \
+             (the engine's max_num_seqs; the rest wait for a slot)"
+        ),
+    };
+    say!("{rollout}")?;
+    say!(
+        "step ≈ {:.0} s (rollout {:.0} s bound by reading the weights per decoded token, training \
+         {:.0} s at {:.0}% of bf16 peak) → ${cost:.2} per step at ${:.2} per GPU-hour",
+        time.total(),
+        time.rollout,
+        time.training,
+        ASSUMED_MFU * 100.0,
+        args.usd_per_gpu_hour
+    )?;
+    Ok(())
+}
+
+/// The per-GPU memory table.
+fn table(w: &Workload, name: &str, gpu: &Accelerator, budget: f64) -> Result<()> {
+    let m = w.memory(w.micro_batch);
+    let gb = |b: f64| format!("{:>8.1}", b / 1e9);
+    let layout = if w.gpus > 1 { ", ZeRO-2" } else { "" };
+    say!(
+        "{name}: {:.2} B parameters, {} · {} × {}{layout} · {} prompts × {} samples, {} + {} tokens, \
+         micro-batch {}, checkpointing {}",
+        w.parameters as f64 / 1e9,
+        if w.dtype_bytes == 4.0 { "f32" } else { "bf16" },
+        w.gpus,
+        gpu.name,
+        w.prompts,
+        w.samples,
+        w.prompt_tokens,
+        w.response_tokens,
+        w.micro_batch,
+        if w.gradient_checkpointing { "on" } else { "off" },
+    )?;
+    let copies = if w.reference {
+        "policy + reference"
+    } else {
+        "policy"
+    };
+    let rows = [
+        (
+            format!(
+                "weights ({copies}, {})",
+                if w.dtype_bytes == 4.0 { "f32" } else { "bf16" }
+            ),
+            m.weights,
+        ),
+        (
+            format!(
+                "gradients (f32{})",
+                if w.gpus > 1 {
+                    ", a shard + one layer's bucket"
+                } else {
+                    ""
+                }
+            ),
+            m.gradients,
+        ),
+        (
+            format!(
+                "optimizer (f32 master, m, v{})",
+                if w.gpus > 1 { ", a shard" } else { "" }
+            ),
+            m.optimizer,
+        ),
+        (
+            format!("activations, micro-batch {}", w.micro_batch),
+            m.activations,
+        ),
+        ("  without checkpointing".to_string(), m.activations_full),
+        (
+            "  with checkpointing".to_string(),
+            m.activations_checkpointed,
+        ),
+        (
+            "logits (f32, one chunk, with gradient)".to_string(),
+            m.logits,
+        ),
+        ("training peak".to_string(), m.training()),
+        (
+            "KV cache (rollout, this GPU's sequences)".to_string(),
+            m.kv_cache,
+        ),
+        ("rollout peak".to_string(), m.rollout()),
+        (
+            format!(
+                "available ({} GB less {:.0}%)",
+                gpu.memory_bytes / 1e9,
+                RESERVED_FRACTION * 100.0
+            ),
+            budget,
+        ),
+    ];
+    say!("{:<52}{:>8}", "per GPU", "GB")?;
+    for (label, bytes) in rows {
+        say!("  {label:<50}{}", gb(bytes))?;
+    }
+    Ok(())
+}

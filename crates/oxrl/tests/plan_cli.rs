@@ -1,0 +1,98 @@
+//! `oxrl plan` on the reference deployment's run (Qwen3-VL-8B's shape, no weights needed).
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn oxrl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_oxrl"))
+        .args(args)
+        .current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
+        .output()
+        .expect("oxrl runs")
+}
+
+fn plan(extra: &[&str]) -> Value {
+    let mut args = vec![
+        "plan",
+        "--config",
+        "examples/qwen3-vl-8b/plan.toml",
+        "--json",
+    ];
+    args.extend(extra);
+    let out = oxrl(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn the_reference_run_is_counted_from_its_config() {
+    let p = plan(&["--gpus", "8", "--gpu", "h100"]);
+    // Qwen3-VL-8B: 8.77 B parameters (text 8.19 B + vision 0.58 B).
+    let params = p["parameters"].as_f64().unwrap();
+    assert!((params / 1e9 - 8.77).abs() < 0.005, "{params}");
+    let bytes = &p["bytes_per_gpu"];
+    // Policy and reference in bf16, replicated; master + m + v in f32, an eighth each.
+    assert_eq!(bytes["weights"].as_f64().unwrap(), 2.0 * 2.0 * params);
+    assert_eq!(bytes["optimizer"].as_f64().unwrap(), 12.0 * params / 8.0);
+    let with = bytes["activations_with_checkpointing"].as_f64().unwrap();
+    let without = bytes["activations_without_checkpointing"].as_f64().unwrap();
+    assert!(with * 20.0 < without, "{with} vs {without}");
+    assert_eq!(p["sequences_per_gpu"], 64);
+    // Eight GPUs hold what one cannot.
+    let one = plan(&["--gpus", "1", "--gpu", "h200"]);
+    assert_eq!(one["fits"], false);
+    assert!(one["bytes_per_gpu"]["training_peak"].as_f64().unwrap() > 141e9);
+    let big = plan(&["--gpus", "8", "--gpu", "h200"]);
+    assert_eq!(big["fits"], true);
+    assert!(big["largest_micro_batch"].as_u64().unwrap() >= 4);
+    // The cost is the step's GPU-seconds at the given price.
+    let step = big["seconds_per_step"]["total"].as_f64().unwrap();
+    let usd = big["usd_per_step"].as_f64().unwrap();
+    assert!((usd - step * 8.0 * 2.5 / 3600.0).abs() < 1e-9);
+}
+
+#[test]
+fn the_table_says_whether_it_fits() {
+    let out = oxrl(&[
+        "plan",
+        "--config",
+        "examples/qwen3-vl-8b/plan.toml",
+        "--gpus",
+        "8",
+        "--gpu",
+        "h200",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "weights (policy + reference, bf16)",
+        "with checkpointing",
+        "training peak",
+        "training fits",
+    ] {
+        assert!(text.contains(line), "no `{line}` in:\n{text}");
+    }
+}
+
+#[test]
+fn an_unknown_gpu_is_an_error_naming_the_known_ones() {
+    let out = oxrl(&[
+        "plan",
+        "--config",
+        "examples/qwen3-vl-8b/plan.toml",
+        "--gpu",
+        "tpu-v5",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tpu-v5") && err.contains("h200"), "{err}");
+}
