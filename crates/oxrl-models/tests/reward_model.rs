@@ -17,9 +17,10 @@ fn config() -> serde_json::Value {
         "num_labels": 1, "pad_token_id": PAD})
 }
 
-/// A random reward model saved and loaded back.
-fn saved() -> Qwen3RewardModel {
-    let dir = temp_dir("reward-model").join("rm");
+/// A random reward model saved and loaded back, through a directory of the test's own (`name`):
+/// tests run in parallel, and a shared one would be wiped under another test's load.
+fn saved(name: &str) -> Qwen3RewardModel {
+    let dir = temp_dir(name).join("rm");
     let rm = Qwen3RewardModel::random(config(), 7, DType::F32, &Device::Cpu).unwrap();
     rm.save(&dir, None).unwrap();
     let cfg: serde_json::Value =
@@ -37,7 +38,7 @@ fn head_at(rm: &Qwen3RewardModel, ids: &[u32], at: usize) -> f32 {
 
 #[test]
 fn the_head_reads_the_last_non_pad_token() {
-    let rm = saved();
+    let rm = saved("reward-model-head");
     assert_eq!((rm.num_labels, rm.pad_token_id), (1, Some(PAD)));
     let seq = vec![3, 9, 4, 27, 5];
     let got = rm.score_batch(std::slice::from_ref(&seq)).unwrap()[0][0];
@@ -55,7 +56,7 @@ fn the_head_reads_the_last_non_pad_token() {
 
 #[test]
 fn padding_and_batch_composition_do_not_change_scores() {
-    let rm = saved();
+    let rm = saved("reward-model-padding");
     let seqs = vec![vec![5, 6], vec![7, 8, 9, 10, 11, 12, 13], vec![1, 2, 3, 4]];
     let alone: Vec<f32> = seqs
         .iter()

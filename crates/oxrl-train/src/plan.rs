@@ -101,6 +101,9 @@ pub struct Memory {
     pub weights: f64,
     /// f32 gradient accumulators (a shard of them under ZeRO-2, plus one layer's bucket).
     pub gradients: f64,
+    /// The gradients one backward hands back in the compute dtype before they are added to the
+    /// accumulators (every weight's on one GPU; a layer's at a time under ZeRO-2).
+    pub backward_gradients: f64,
     /// f32 master weights and AdamW moments (sharded under ZeRO-2).
     pub optimizer: f64,
     /// A micro-batch's activations kept for the backward, as configured.
@@ -122,9 +125,14 @@ impl Memory {
         self.weights + self.gradients + self.optimizer
     }
 
+    /// What one micro-batch's forward and backward add to the state at their peak.
+    pub fn micro_batch(&self) -> f64 {
+        self.activations + self.logits + self.backward_gradients
+    }
+
     /// The update's peak.
     pub fn training(&self) -> f64 {
-        self.state() + self.activations + self.logits
+        self.state() + self.micro_batch()
     }
 
     /// The rollout's peak, every sequence of this GPU decoded at once.
@@ -157,10 +165,20 @@ fn token_layer_bytes(c: &Qwen3Config, w: f64) -> f64 {
 }
 
 /// Bytes the composed attention keeps per sequence per layer: for every head and every
-/// (query, key) pair the scores, their scaled copy, the f32 copy, the mask add, the softmax's
-/// shifted, exponentiated and divided tensors and the probabilities in `w` (≈ 18 + 4w bytes).
+/// (query, key) pair the scores and their scaled copy in `w`, the f32 copy (none when `w` is f32),
+/// the mask add, the softmax's shifted, exponentiated and divided tensors, and the probabilities
+/// back in `w` (none in f32): 26 B in bf16, 24 B in f32.
 fn attention_layer_bytes(c: &Qwen3Config, w: f64, sequence: f64) -> f64 {
-    (18.0 + 4.0 * w) * c.num_attention_heads as f64 * sequence * sequence
+    let casts = if w == 4.0 { 0.0 } else { 4.0 + w };
+    (2.0 * w + 16.0 + casts) * c.num_attention_heads as f64 * sequence * sequence
+}
+
+/// Gradient buffers alive beside a layer's activations while its backward runs: the f32
+/// gradients of three of the attention's (query, key) tensors per head, and four of the MLP's
+/// intermediate-sized ones per token.
+fn backward_working_bytes(c: &Qwen3Config, w: f64, sequences: f64, sequence: f64) -> f64 {
+    sequences * 3.0 * 4.0 * c.num_attention_heads as f64 * sequence * sequence
+        + sequences * sequence * 4.0 * w * c.intermediate_size as f64
 }
 
 impl Workload {
@@ -172,17 +190,19 @@ impl Workload {
         self.gpus.max(1) as f64
     }
 
-    /// Activation bytes of a micro-batch of `micro` trajectories, without and with layer
-    /// checkpointing.
+    /// Activation bytes of a micro-batch of `micro` trajectories at the backward's peak,
+    /// without and with layer checkpointing: every layer's activations, or the boundaries and
+    /// one layer's; either way plus the gradient buffers of the layer being differentiated.
     fn activations(&self, micro: usize) -> (f64, f64) {
         let (c, w) = (&self.model, self.dtype_bytes);
         let s = self.sequence();
         let tokens = micro as f64 * s;
         let layer =
             tokens * token_layer_bytes(c, w) + micro as f64 * attention_layer_bytes(c, w, s);
+        let working = backward_working_bytes(c, w, micro as f64, s);
         let layers = c.num_hidden_layers as f64;
         let boundaries = layers * tokens * c.hidden_size as f64 * w;
-        (layers * layer, boundaries + layer)
+        (layers * layer + working, boundaries + layer + working)
     }
 
     /// Memory per GPU with micro-batches of `micro` trajectories.
@@ -202,9 +222,14 @@ impl Workload {
         let kv_per_token =
             2.0 * c.num_hidden_layers as f64 * (c.num_key_value_heads * c.head_dim) as f64 * w;
         let kv_per_sequence = self.sequence() * kv_per_token;
+        let backward_gradients = match self.gpus {
+            0 | 1 => p * w,
+            _ => self.layer_parameters() * w,
+        };
         Memory {
             weights: copies * p * w,
             gradients,
+            backward_gradients,
             optimizer: 3.0 * 4.0 * p / self.shard(),
             activations: if self.gradient_checkpointing {
                 checkpointed
@@ -398,12 +423,20 @@ mod tests {
         // 26 B × 32 heads × S² for one sequence: 14 GB per layer at S = 4096.
         let attention = attention_layer_bytes(&c, 2.0, 4096.0);
         assert_eq!(attention, 26.0 * 32.0 * 4096.0 * 4096.0);
+        assert_eq!(attention_layer_bytes(&c, 4.0, 1.0), 24.0 * 32.0);
+        // Backward's gradient buffers: 12 B × 32 heads × S², and 16 B × 12288 per token.
+        let working = backward_working_bytes(&c, 2.0, 1.0, 4096.0);
+        assert_eq!(
+            working,
+            12.0 * 32.0 * 4096.0 * 4096.0 + 4096.0 * 8.0 * 12288.0
+        );
         let w = workload(8);
         let (full, checkpointed) = w.activations(1);
         let layer = 4096.0 * per_token + attention;
-        assert!((full - 36.0 * layer).abs() < 1.0);
-        assert!((checkpointed - (36.0 * 4096.0 * 4096.0 * 2.0 + layer)).abs() < 1.0);
-        assert!(checkpointed < full / 20.0);
+        assert!((full - (36.0 * layer + working)).abs() < 1.0);
+        let boundaries = 36.0 * 4096.0 * 4096.0 * 2.0;
+        assert!((checkpointed - (boundaries + layer + working)).abs() < 1.0);
+        assert!(checkpointed < full / 10.0);
     }
 
     #[test]

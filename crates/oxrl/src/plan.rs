@@ -195,6 +195,10 @@ fn table(w: &Workload, name: &str, gpu: &Accelerator, budget: f64) -> Result<()>
             "logits (f32, one chunk, with gradient)".to_string(),
             m.logits,
         ),
+        (
+            "gradients one backward hands back".to_string(),
+            m.backward_gradients,
+        ),
         ("training peak".to_string(), m.training()),
         (
             "KV cache (rollout, this GPU's sequences)".to_string(),
