@@ -4,7 +4,10 @@
 //! moments) and, for more than one GPU, the ZeRO-2 layout of `shared/docs/scale-out.md` §1.3:
 //! bf16 parameters replicated, f32 gradients and optimizer state sharded.
 
+use crate::config::RunConfig;
+use crate::error::Result;
 use oxrl_models::config::Qwen3Config;
+use oxrl_models::qwen3::{parameter_shapes, LOGIT_CHUNK_ELEMENTS};
 
 /// A GPU model: memory, dense bf16 throughput and memory bandwidth (vendor figures).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -53,7 +56,7 @@ pub const ACCELERATORS: [Accelerator; 5] = [
 ];
 
 /// The accelerator called `name`, or an error listing the known ones.
-pub fn accelerator(name: &str) -> Result<Accelerator, String> {
+pub fn accelerator(name: &str) -> std::result::Result<Accelerator, String> {
     ACCELERATORS
         .iter()
         .find(|a| a.name == name)
@@ -182,6 +185,47 @@ fn backward_working_bytes(c: &Qwen3Config, w: f64, sequences: f64, sequence: f64
 }
 
 impl Workload {
+    /// The run `cfg` describes on `gpus` GPUs, counted from its model's `config.json` (no
+    /// weights are read), and a name for the model.
+    pub fn from_run(cfg: &RunConfig, gpus: usize) -> Result<(Workload, String)> {
+        let model_dir = oxrl_models::hub::resolve_model(&cfg.model_path)?;
+        let config_path = model_dir.join("config.json");
+        let config_json = oxrl_models::config::read_json(&config_path)?;
+        let (model, shapes) = parameter_shapes(&config_json, &config_path)?;
+        let parameters: u64 = shapes
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum();
+        let architecture = config_json
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(|a| a.as_str())
+            .unwrap_or("Qwen3ForCausalLM");
+        let name = format!("{} ({architecture})", cfg.model_path);
+        let logit_chunk_rows = LOGIT_CHUNK_ELEMENTS / model.vocab_size.max(1);
+        // Sequences are as long as the limits allow, never past the model's positions; a
+        // micro-batch never holds more than the step's trajectories.
+        let positions = model.max_position_embeddings;
+        let response_tokens = cfg.rollout.max_new_tokens.min(positions);
+        let prompt_tokens = cfg.data.max_prompt_length.min(positions - response_tokens);
+        let trajectories = cfg.batch_size * cfg.rollout.n_samples_per_prompt;
+        let workload = Workload {
+            model,
+            parameters,
+            dtype_bytes: if cfg.dtype == "f32" { 4.0 } else { 2.0 },
+            reference: cfg.algorithm.kl_coef > 0.0,
+            gpus: gpus.max(1),
+            prompts: cfg.batch_size,
+            samples: cfg.rollout.n_samples_per_prompt,
+            prompt_tokens,
+            response_tokens,
+            micro_batch: cfg.update.micro_batch_size.min(trajectories).max(1),
+            gradient_checkpointing: cfg.gradient_checkpointing,
+            logit_chunk_rows,
+        };
+        Ok((workload, name))
+    }
+
     fn sequence(&self) -> f64 {
         (self.prompt_tokens + self.response_tokens) as f64
     }

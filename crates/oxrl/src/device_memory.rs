@@ -14,6 +14,27 @@ pub fn host_peak_rss() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// Memory a run on `device` may use, in bytes: a GPU's total memory, or on a CPU the host's
+/// available memory (`MemAvailable` of `/proc/meminfo`; `None` where the kernel does not say).
+pub fn capacity(device: &Device) -> candle_core::Result<Option<u64>> {
+    match device {
+        Device::Cpu => {
+            let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else {
+                return Ok(None);
+            };
+            let kib = meminfo
+                .lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|n| n.parse::<u64>().ok());
+            Ok(kib.map(|k| k * 1024))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => gpu::total(gpu).map(Some),
+        other => candle_core::bail!("no memory figure for {other:?}"),
+    }
+}
+
 /// Polls one GPU until [`PeakWatch::stop`]; none on a CPU.
 pub struct PeakWatch {
     #[cfg(feature = "cuda")]
@@ -59,6 +80,16 @@ mod gpu {
         done: Arc<AtomicBool>,
         peak: Arc<AtomicU64>,
         poller: JoinHandle<()>,
+    }
+
+    /// The GPU's total memory.
+    pub fn total(gpu: &CudaDevice) -> candle_core::Result<u64> {
+        let (_, total) = gpu
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .map_err(|e| candle_core::Error::Msg(format!("cuMemGetInfo: {e:?}")))?;
+        Ok(total as u64)
     }
 
     fn in_use(context: &CudaContext) -> candle_core::Result<u64> {

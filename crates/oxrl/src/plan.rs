@@ -2,9 +2,8 @@
 
 use crate::output::say;
 use anyhow::Result;
-use oxrl_models::qwen3::{parameter_shapes, LOGIT_CHUNK_ELEMENTS};
 use oxrl_train::config::RunConfig;
-use oxrl_train::plan::{accelerator, Accelerator, Workload, ASSUMED_MFU, RESERVED_FRACTION};
+use oxrl_train::plan::{accelerator, Workload, ASSUMED_MFU, RESERVED_FRACTION};
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -27,44 +26,10 @@ pub struct PlanArgs {
     json: bool,
 }
 
-/// The run `cfg` describes on `gpus` GPUs, and the model's name.
-fn workload(cfg: &RunConfig, gpus: usize) -> Result<(Workload, String)> {
-    let model_dir = oxrl_models::hub::resolve_model(&cfg.model_path)?;
-    let config_path = model_dir.join("config.json");
-    let config_json = oxrl_models::config::read_json(&config_path)?;
-    let (model, shapes) = parameter_shapes(&config_json, &config_path)?;
-    let parameters: u64 = shapes
-        .iter()
-        .map(|(_, s)| s.iter().product::<usize>() as u64)
-        .sum();
-    let architecture = config_json
-        .get("architectures")
-        .and_then(|a| a.get(0))
-        .and_then(|a| a.as_str())
-        .unwrap_or("Qwen3ForCausalLM");
-    let name = format!("{} ({architecture})", cfg.model_path);
-    let logit_chunk_rows = LOGIT_CHUNK_ELEMENTS / model.vocab_size.max(1);
-    let workload = Workload {
-        model,
-        parameters,
-        dtype_bytes: if cfg.dtype == "f32" { 4.0 } else { 2.0 },
-        reference: cfg.algorithm.kl_coef > 0.0,
-        gpus: gpus.max(1),
-        prompts: cfg.batch_size,
-        samples: cfg.rollout.n_samples_per_prompt,
-        prompt_tokens: cfg.data.max_prompt_length,
-        response_tokens: cfg.rollout.max_new_tokens,
-        micro_batch: cfg.update.micro_batch_size,
-        gradient_checkpointing: cfg.gradient_checkpointing,
-        logit_chunk_rows,
-    };
-    Ok((workload, name))
-}
-
 pub fn run(args: PlanArgs) -> Result<()> {
     let cfg = RunConfig::from_file(&args.config)?;
     let gpu = accelerator(&args.gpu).map_err(anyhow::Error::msg)?;
-    let (w, name) = workload(&cfg, args.gpus)?;
+    let (w, name) = Workload::from_run(&cfg, args.gpus)?;
     let budget = gpu.memory_bytes * (1.0 - RESERVED_FRACTION);
     let memory = w.memory(w.micro_batch);
     let fits = memory.training() <= budget;
@@ -97,7 +62,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         )?;
         return Ok(());
     }
-    table(&w, &name, &gpu, budget)?;
+    say!("{}", table(&w, &name, gpu.name, gpu.memory_bytes, budget))?;
     let verdict = match (fits, largest) {
         (true, Some(m)) => format!("fits; the largest micro-batch that fits is {m}"),
         (false, Some(m)) => format!(
@@ -133,24 +98,24 @@ pub fn run(args: PlanArgs) -> Result<()> {
 }
 
 /// The per-GPU memory table.
-fn table(w: &Workload, name: &str, gpu: &Accelerator, budget: f64) -> Result<()> {
+pub fn table(w: &Workload, name: &str, device: &str, memory: f64, budget: f64) -> String {
     let m = w.memory(w.micro_batch);
     let gb = |b: f64| format!("{:>8.1}", b / 1e9);
     let layout = if w.gpus > 1 { ", ZeRO-2" } else { "" };
-    say!(
+    let mut out = format!(
         "{name}: {:.2} B parameters, {} · {} × {}{layout} · {} prompts × {} samples, {} + {} tokens, \
          micro-batch {}, checkpointing {}",
         w.parameters as f64 / 1e9,
         if w.dtype_bytes == 4.0 { "f32" } else { "bf16" },
         w.gpus,
-        gpu.name,
+        device,
         w.prompts,
         w.samples,
         w.prompt_tokens,
         w.response_tokens,
         w.micro_batch,
         if w.gradient_checkpointing { "on" } else { "off" },
-    )?;
+    );
     let copies = if w.reference {
         "policy + reference"
     } else {
@@ -207,16 +172,42 @@ fn table(w: &Workload, name: &str, gpu: &Accelerator, budget: f64) -> Result<()>
         ("rollout peak".to_string(), m.rollout()),
         (
             format!(
-                "available ({} GB less {:.0}%)",
-                gpu.memory_bytes / 1e9,
+                "available ({:.0} GB less {:.0}%)",
+                memory / 1e9,
                 RESERVED_FRACTION * 100.0
             ),
             budget,
         ),
     ];
-    say!("{:<52}{:>8}", "per GPU", "GB")?;
+    out.push_str(&format!("\n{:<52}{:>8}", "per device", "GB"));
     for (label, bytes) in rows {
-        say!("  {label:<50}{}", gb(bytes))?;
+        out.push_str(&format!("\n  {label:<50}{}", gb(bytes)));
     }
-    Ok(())
+    out
+}
+
+/// The planner's check before `oxrl train` starts: an error holding the table when the
+/// update's peak does not fit `memory` bytes (the GPU's, or the host's available memory on a
+/// CPU), less the reserve.
+pub fn check_fits(cfg: &RunConfig, device: &str, memory: f64) -> Result<()> {
+    let (w, name) = Workload::from_run(cfg, 1)?;
+    let budget = memory * (1.0 - RESERVED_FRACTION);
+    let peak = w.memory(w.micro_batch).training();
+    if peak <= budget {
+        return Ok(());
+    }
+    let advice = match w.largest_micro_batch(budget) {
+        Some(m) => format!("set [trainer] micro_batch_size ≤ {m}"),
+        None if !w.gradient_checkpointing => {
+            "set [trainer] gradient_checkpointing = true, or use shorter sequences".to_string()
+        }
+        None => "use shorter sequences or a larger device".to_string(),
+    };
+    anyhow::bail!(
+        "this run needs about {:.1} GB at its peak and {device} has {:.1} GB to give it: {advice} \
+         (pass --skip-memory-check to start anyway)\n{}",
+        peak / 1e9,
+        budget / 1e9,
+        table(&w, &name, device, memory, budget)
+    )
 }

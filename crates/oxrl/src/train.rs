@@ -33,6 +33,9 @@ pub struct TrainArgs {
     /// Overrides [model] device: cpu, cuda (the first GPU) or cuda:N.
     #[arg(long)]
     device: Option<DeviceSpec>,
+    /// Start even when `oxrl plan` estimates that the update does not fit the device.
+    #[arg(long)]
+    skip_memory_check: bool,
 }
 
 #[derive(clap::Args)]
@@ -106,6 +109,15 @@ fn report_interrupt(signal: i32, steps: u64, checkpoint: Option<&Path>) -> Resul
     Ok(interrupted_status(signal))
 }
 
+/// Refuses a run the planner says cannot fit its device, before anything loads.
+fn check_memory(cfg: &RunConfig) -> Result<()> {
+    let device = cfg.device.open()?;
+    let Some(memory) = crate::device_memory::capacity(&device)? else {
+        return Ok(());
+    };
+    crate::plan::check_fits(cfg, &cfg.device.to_string(), memory as f64)
+}
+
 pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
     let path = match args.config {
         Some(p) => p,
@@ -113,6 +125,9 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
         None => bail!("no --config given and {DEFAULT_CONFIG} is not here (run from the repository root, or pass --config)"),
     };
     let cfg = load(&path, args.max_steps, args.output_dir, args.device)?;
+    if !args.skip_memory_check {
+        check_memory(&cfg)?;
+    }
     if let Some(rollouts) = args.rollouts {
         let m = replay(&cfg, &rollouts)?;
         let show = |k: &str| m.get(k).copied().unwrap_or(f64::NAN);

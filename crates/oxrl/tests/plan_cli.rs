@@ -96,3 +96,40 @@ fn an_unknown_gpu_is_an_error_naming_the_known_ones() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("tpu-v5") && err.contains("h200"), "{err}");
 }
+
+#[test]
+fn train_refuses_a_run_that_cannot_fit_before_loading_anything() {
+    let dir = oxrl_fixtures::temp_dir("plan-refusal");
+    let output = dir.join("run");
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--config",
+            "examples/qwen3-vl-8b/plan.toml",
+            "--output-dir",
+            output.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        oxrl(&args)
+    };
+    // Qwen3-VL-8B's full fine-tune on this CPU: hundreds of GB.
+    let out = train(&[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for part in [
+        "GB at its peak",
+        "--skip-memory-check",
+        "training peak",
+        "with checkpointing",
+    ] {
+        assert!(err.contains(part), "no `{part}` in:\n{err}");
+    }
+    assert!(!output.exists(), "a refused run writes nothing");
+    // Past the check, the run goes on to what it needs next (this shape-only example has no
+    // data or weights), so the refusal above was the check's.
+    let out = train(&["--skip-memory-check"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("--skip-memory-check"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
