@@ -134,27 +134,7 @@ pub fn save_checkpoint(
     max_shard_bytes: usize,
     extra: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<()> {
-    let name = out
-        .file_name()
-        .ok_or_else(|| {
-            ModelError::InvalidInput(format!("{}: not a directory name", out.display()))
-        })?
-        .to_string_lossy()
-        .to_string();
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(io_err(parent))?;
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
-    }
-    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
-
-    // A write that fails (a full disk, a read-only file) removes what it wrote: only a complete
-    // directory ever gets the final name, and no partial one is left behind.
-    let written = (|| -> Result<()> {
+    write_dir_atomically(out, &|tmp| {
         let mut shards: Vec<Vec<&(String, Tensor)>> = vec![Vec::new()];
         let mut shard_bytes = 0;
         for entry in tensors {
@@ -197,18 +177,50 @@ pub fn save_checkpoint(
         let path = tmp.join("config.json");
         let text = serde_json::to_string_pretty(config).unwrap_or_default();
         write_synced(&path, text.as_bytes())?;
-        if let Some(src) = copy_from {
-            for file in SIDE_FILES {
-                let from = src.join(file);
-                if from.exists() {
-                    let bytes = std::fs::read(&from).map_err(io_err(&from))?;
-                    write_synced(&tmp.join(file), &bytes)?;
-                }
-            }
-        }
-        extra(&tmp)?;
+        copy_side_files(copy_from, tmp)?;
+        extra(tmp)?;
         Ok(())
-    })();
+    })
+}
+
+/// Copies the [`SIDE_FILES`] present in `from` (the tokenizer, chat template, generation
+/// config) into `to`, synced.
+pub fn copy_side_files(from: Option<&Path>, to: &Path) -> Result<()> {
+    let Some(src) = from else { return Ok(()) };
+    for file in SIDE_FILES {
+        let from = src.join(file);
+        if from.exists() {
+            let bytes = std::fs::read(&from).map_err(io_err(&from))?;
+            write_synced(&to.join(file), &bytes)?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes a directory atomically: `write` fills a temporary sibling directory, which is renamed
+/// to `out` (replacing an existing one) only once everything in it is written and fsynced, so
+/// a crash never leaves a half directory under the final name. A failed write removes what it
+/// wrote.
+pub fn write_dir_atomically(out: &Path, write: &dyn Fn(&Path) -> Result<()>) -> Result<()> {
+    let name = out
+        .file_name()
+        .ok_or_else(|| {
+            ModelError::InvalidInput(format!("{}: not a directory name", out.display()))
+        })?
+        .to_string_lossy()
+        .to_string();
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+
+    let written = write(&tmp);
     if written.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }

@@ -6,7 +6,7 @@
 use crate::error::Result;
 use crate::image::{ImageSource, ProcessedImage};
 use crate::qwen3::{BatchLogprobs, Entropy, ImagePrompting, LogprobsAndEntropy, ScoreRequest};
-use crate::qwen3::{KvCache, VocabSlices};
+use crate::qwen3::{KvCache, LoraConfig, VocabSlices};
 use candle_core::{Device, Tensor, Var};
 use std::path::Path;
 use std::sync::Arc;
@@ -72,8 +72,29 @@ pub trait PolicyModel: Send + Sync {
     /// (the optimizer's parameters, in order).
     fn make_trainable(&mut self) -> Result<Vec<(String, Var)>>;
 
-    /// Every distinct weight under its checkpoint name.
-    fn named_parameters(&self) -> Vec<(String, Tensor)>;
+    /// Every distinct weight under its checkpoint name, LoRA adapters merged in (what a
+    /// rollout server loads).
+    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>>;
+
+    // LoRA adapters (PEFT's format; `crate::qwen3::lora`).
+
+    /// Adds fresh adapters (`B` zero) as `config` says, `A` drawn from `seed`.
+    fn attach_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<()>;
+
+    /// Applies the PEFT LoRA adapter in `dir` to this base model.
+    fn load_adapter(&mut self, dir: &Path) -> Result<()>;
+
+    /// The adapters' configuration, when the model has adapters.
+    fn lora(&self) -> Option<LoraConfig>;
+
+    /// Switches this handle's adapters on or off (off: the base model, from the same weights).
+    fn set_adapters_enabled(&self, on: bool);
+
+    /// Writes the adapters in PEFT's format into the existing directory `dir`.
+    fn write_adapter(&self, dir: &Path, base_model: &str) -> Result<()>;
+
+    /// Folds the adapters into the weights: a plain model that scores as the adapted one.
+    fn merge_adapters(&mut self) -> Result<()>;
 
     /// The same weights (shared storage) without autograd tracking: the engine's view, which an
     /// optimizer's in-place `Var::set` updates too.

@@ -532,7 +532,7 @@ impl VllmEngine {
         for server in 0..servers {
             self.post(server, "/start_weight_update", Some(&json!({})))?;
         }
-        let params = policy.named_parameters();
+        let params = policy.named_parameters()?;
         let update = weight_transfer::update_body(&params)?;
         self.alongside_every_server("/update_weights", &update, || {
             params
@@ -678,7 +678,7 @@ fn image_url(image: &PromptImage) -> Result<String> {
 /// logs "ParallelLMHead: Failed to load weights" and keeps the old head), so a tied policy's
 /// head goes to the servers as a tensor of its own, in a file beside the model's.
 fn untied_lm_head(policy: &dyn PolicyModel, dir: &std::path::Path) -> oxrl_models::Result<()> {
-    let params = policy.named_parameters();
+    let params = policy.named_parameters()?;
     if params.iter().any(|(name, _)| name == "lm_head.weight") {
         return Ok(());
     }

@@ -16,6 +16,10 @@ pub struct GenerateArgs {
     /// Model directory or Hugging Face hub id.
     #[arg(long)]
     model: String,
+    /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to
+    /// apply to the model.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// One prompt; the completions are printed to the terminal.
     #[arg(long)]
     prompt: Option<String>,
@@ -71,7 +75,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         Some(path) => Some(read_jsonl(path)?),
         None => None,
     };
-    let loaded = load(&args.model, args.dtype, args.device)?;
+    let loaded = load(
+        &args.model,
+        args.adapter.as_deref(),
+        args.dtype,
+        args.device,
+    )?;
     let tok = loaded.tokenizer.as_deref();
     let chat = ChatOptions {
         enable_thinking: args.enable_thinking,

@@ -6,6 +6,7 @@ use candle_core::DType;
 use oxrl_models::{
     eos_token_ids, hub::resolve_model, load_policy, DeviceSpec, PolicyModel, Tokenizer,
 };
+use std::path::Path;
 use std::sync::Arc;
 
 /// Compute dtype of the model's forward pass (stored weights are converted on load).
@@ -32,11 +33,23 @@ pub struct Loaded {
     pub eos_token_ids: Vec<u32>,
 }
 
-pub fn load(reference: &str, dtype: DTypeArg, device: DeviceSpec) -> Result<Loaded> {
+/// Loads the model `reference` names, with the PEFT LoRA adapter in `adapter` applied (not
+/// merged: the adapter's product runs beside each frozen weight's).
+pub fn load(
+    reference: &str,
+    adapter: Option<&Path>,
+    dtype: DTypeArg,
+    device: DeviceSpec,
+) -> Result<Loaded> {
     let dir = resolve_model(reference)?;
     let device = device.open()?;
-    let model = load_policy(&dir, dtype.dtype(), &device)
+    let mut model = load_policy(&dir, dtype.dtype(), &device)
         .with_context(|| format!("loading model {}", dir.display()))?;
+    if let Some(adapter) = adapter {
+        model
+            .load_adapter(adapter)
+            .with_context(|| format!("loading LoRA adapter {}", adapter.display()))?;
+    }
     let tokenizer = match dir.join("tokenizer.json").exists() {
         true => Some(Arc::new(Tokenizer::from_dir(&dir)?)),
         false => None,

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_serve;
 mod device_memory;
+mod export;
 mod generate;
 mod input;
 mod load;
@@ -60,6 +61,8 @@ enum Command {
     /// Before launch: a run's memory per GPU by category, whether it fits, the largest
     /// micro-batch that does, and an estimated step time and cost.
     Plan(plan::PlanArgs),
+    /// Write a plain Hugging Face checkpoint: a LoRA adapter merged into its base model.
+    Export(export::ExportArgs),
     /// Speed benchmarks on random-weight models.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -105,6 +108,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => done(serve::run(args)),
         Command::Config(args) => done(train::config(args)),
         Command::Plan(args) => done(plan::run(args)),
+        Command::Export(args) => done(export::run(args)),
         Command::Bench(cmd) => done(bench::run(cmd)),
     };
     match result {

@@ -15,6 +15,10 @@ pub struct ScoreArgs {
     /// Model directory or Hugging Face hub id.
     #[arg(long)]
     model: String,
+    /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to
+    /// apply to the model.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// JSONL: `prompt_ids` | `prompt` | `messages`, `response_ids` | `response`, optional
     /// `temperature`, optional `images` (paths relative to this file, or data URLs).
     #[arg(long)]
@@ -34,7 +38,12 @@ pub struct ScoreArgs {
 
 pub fn run(args: ScoreArgs) -> Result<()> {
     let lines = read_jsonl(&args.input)?;
-    let loaded = load(&args.model, args.dtype, args.device)?;
+    let loaded = load(
+        &args.model,
+        args.adapter.as_deref(),
+        args.dtype,
+        args.device,
+    )?;
     let tok = loaded.tokenizer.as_deref();
     let chat = ChatOptions {
         enable_thinking: args.enable_thinking,

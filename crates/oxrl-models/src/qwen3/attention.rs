@@ -1,8 +1,9 @@
 //! `Qwen3Attention`: grouped-query attention with per-head RMSNorm on queries and keys before
 //! the rotary embedding.
 
+use super::lora::{project, Adapter};
 use crate::config::Qwen3Config;
-use crate::ops::{linear, rms_norm, rope};
+use crate::ops::{rms_norm, rope};
 use crate::weights::{Init, Module, Slot};
 use candle_core::{DType, Tensor, D};
 
@@ -13,6 +14,8 @@ pub struct Attention {
     pub o_proj: Tensor,
     pub q_norm: Tensor,
     pub k_norm: Tensor,
+    /// LoRA adapters of q, k, v and o ([`super::lora`]).
+    pub lora: [Option<Adapter>; 4],
 }
 
 impl Module<6> for Attention {
@@ -39,6 +42,7 @@ impl Module<6> for Attention {
             o_proj,
             q_norm,
             k_norm,
+            lora: Default::default(),
         }
     }
 
@@ -72,9 +76,10 @@ impl Attention {
             s.extend([heads, hd]);
             t.reshape(s)
         };
-        let q = split(linear(xn, &self.q_proj)?, h)?;
-        let k = split(linear(xn, &self.k_proj)?, kv)?;
-        let v = split(linear(xn, &self.v_proj)?, kv)?;
+        let [q_lora, k_lora, v_lora, _] = &self.lora;
+        let q = split(project(xn, &self.q_proj, q_lora.as_ref())?, h)?;
+        let k = split(project(xn, &self.k_proj, k_lora.as_ref())?, kv)?;
+        let v = split(project(xn, &self.v_proj, v_lora.as_ref())?, kv)?;
         // cos/sin are [S, hd]; heads sit between S and hd.
         let (cos, sin) = (cos.unsqueeze(D::Minus2)?, sin.unsqueeze(D::Minus2)?);
         let q = rope(&rms_norm(&q, &self.q_norm, c.rms_norm_eps)?, &cos, &sin)?;
@@ -84,7 +89,7 @@ impl Attention {
 
     /// The output projection of attended rows `[.., heads·hd]`.
     pub(crate) fn project_out(&self, attn: &Tensor) -> candle_core::Result<Tensor> {
-        linear(attn, &self.o_proj)
+        project(attn, &self.o_proj, self.lora[3].as_ref())
     }
 
     /// The training path: attention of normed rows `xn [B, S, D]` under the additive `mask`

@@ -3,6 +3,7 @@
 
 use super::config::{text_prefix, ModelConfig};
 use super::kv_cache::CacheKind;
+use super::lora::LoraState;
 use super::model::Qwen3Model;
 use super::visual::{Vision, VisualInjection, NOT_PROMPT};
 use crate::checkpoint::load_tensors;
@@ -50,6 +51,8 @@ pub struct Qwen3 {
     /// Most logit elements the training path holds at once: a batch with more response rows
     /// than this allows runs lm_head and the log-probs in chunks ([`super::chunked_head`]).
     pub logit_chunk_elements: usize,
+    /// LoRA adapters on the decoder's projections, when the model has them ([`super::lora`]).
+    pub lora: Option<LoraState>,
 }
 
 /// [`Qwen3::logit_chunk_elements`] unless set: 256 Mi elements (1 GiB of f32 logits; 1,766
@@ -129,6 +132,7 @@ impl Qwen3 {
             kv_cache: CacheKind::for_device(device),
             gradient_checkpointing: false,
             logit_chunk_elements: LOGIT_CHUNK_ELEMENTS,
+            lora: None,
         })
     }
 
@@ -151,6 +155,9 @@ impl Qwen3 {
     /// shares the embedding's var; a frozen vision tower stays constant); returns the vars by
     /// checkpoint name.
     pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
+        if self.lora.is_some() {
+            return self.make_adapters_trainable();
+        }
         let frozen = self.vision.as_ref().is_some_and(|v| v.frozen);
         let mut vars = Vec::new();
         let mut tensors = HashMap::new();

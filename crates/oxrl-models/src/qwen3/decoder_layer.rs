@@ -1,6 +1,7 @@
 //! `Qwen3DecoderLayer`: pre-norm attention and MLP blocks, each added to the residual stream.
 
 use super::attention::Attention;
+use super::lora::map_adapters;
 use super::mlp::Mlp;
 use super::rms_norm::RmsNorm;
 use crate::config::Qwen3Config;
@@ -79,8 +80,14 @@ impl DecoderLayer {
 
     pub(crate) fn map(&self, f: &impl Fn(&Tensor) -> Tensor) -> Self {
         Self {
-            self_attn: self.self_attn.map(f),
-            mlp: self.mlp.map(f),
+            self_attn: Attention {
+                lora: map_adapters(&self.self_attn.lora, f),
+                ..self.self_attn.map(f)
+            },
+            mlp: Mlp {
+                lora: map_adapters(&self.mlp.lora, f),
+                ..self.mlp.map(f)
+            },
             input_layernorm: self.input_layernorm.map(f),
             post_attention_layernorm: self.post_attention_layernorm.map(f),
         }

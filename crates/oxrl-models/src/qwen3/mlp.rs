@@ -1,7 +1,7 @@
 //! `Qwen3MLP`: the SwiGLU feed-forward block.
 
+use super::lora::{project, Adapter};
 use crate::config::Qwen3Config;
-use crate::ops::linear;
 use crate::weights::{Init, Module, Slot};
 use candle_core::Tensor;
 
@@ -9,6 +9,8 @@ pub struct Mlp {
     pub gate_proj: Tensor,
     pub up_proj: Tensor,
     pub down_proj: Tensor,
+    /// LoRA adapters of gate, up and down ([`super::lora`]).
+    pub lora: [Option<Adapter>; 3],
 }
 
 impl Module<3> for Mlp {
@@ -28,6 +30,7 @@ impl Module<3> for Mlp {
             gate_proj,
             up_proj,
             down_proj,
+            lora: Default::default(),
         }
     }
 
@@ -39,8 +42,9 @@ impl Module<3> for Mlp {
 impl Mlp {
     /// `down(silu(gate(xn)) * up(xn))` for normed rows `xn`.
     pub fn forward(&self, xn: &Tensor) -> candle_core::Result<Tensor> {
-        let gate = candle_nn::ops::silu(&linear(xn, &self.gate_proj)?)?;
-        let up = linear(xn, &self.up_proj)?;
-        linear(&(gate * up)?, &self.down_proj)
+        let [gate_lora, up_lora, down_lora] = &self.lora;
+        let gate = candle_nn::ops::silu(&project(xn, &self.gate_proj, gate_lora.as_ref())?)?;
+        let up = project(xn, &self.up_proj, up_lora.as_ref())?;
+        project(&(gate * up)?, &self.down_proj, down_lora.as_ref())
     }
 }

@@ -3,7 +3,7 @@
 
 use super::reward_model::{Qwen3RewardModel, ARCHITECTURE};
 use super::{BatchLogprobs, Entropy, ImagePrompting, KvCache, LogprobsAndEntropy, Qwen3};
-use super::{ScoreRequest, VocabSlices};
+use super::{LoraConfig, ScoreRequest, VocabSlices};
 use crate::error::Result;
 use crate::image::{ImageSource, ProcessedImage};
 use crate::model_traits::{PolicyModel, SequenceClassifier};
@@ -79,8 +79,32 @@ impl PolicyModel for Qwen3 {
         Qwen3::make_trainable(self)
     }
 
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        Qwen3::named_parameters(self)
+    fn attach_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<()> {
+        Qwen3::attach_lora(self, config, seed)
+    }
+
+    fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        Qwen3::load_adapter(self, dir)
+    }
+
+    fn lora(&self) -> Option<LoraConfig> {
+        Qwen3::lora(self).cloned()
+    }
+
+    fn set_adapters_enabled(&self, on: bool) {
+        Qwen3::set_adapters_enabled(self, on)
+    }
+
+    fn write_adapter(&self, dir: &Path, base_model: &str) -> Result<()> {
+        Qwen3::write_adapter(self, dir, base_model)
+    }
+
+    fn merge_adapters(&mut self) -> Result<()> {
+        Qwen3::merge_adapters(self)
+    }
+
+    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        Qwen3::merged_parameters(self)
     }
 
     fn detached(&self) -> Box<dyn PolicyModel> {

@@ -22,7 +22,8 @@ impl Qwen3 {
     }
 
     /// [`Qwen3::save_sharded`] with `extra` writing more files into the checkpoint before it
-    /// becomes visible under its name.
+    /// becomes visible under its name. A model with LoRA adapters saves them merged (a plain
+    /// checkpoint; [`Qwen3::save_adapter`] writes the adapters alone).
     pub fn save_with(
         &self,
         out: &Path,
@@ -39,7 +40,7 @@ impl Qwen3 {
         config["tie_word_embeddings"] = self.tied.into();
         crate::checkpoint::save_checkpoint(
             out,
-            &self.named_parameters(),
+            &self.merged_parameters()?,
             &config,
             copy_from,
             max_shard_bytes,

@@ -289,6 +289,7 @@ impl Qwen3 {
         let weights = self
             .named_parameters()
             .iter()
+            .chain(&self.adapter_parameters())
             .map(|(_, t)| t.id())
             .chain([self.lm_head.id()])
             .collect();

@@ -32,6 +32,9 @@ pub struct ServeArgs {
     /// Model directory or Hugging Face hub id.
     #[arg(long)]
     model: String,
+    /// A PEFT LoRA adapter directory to apply to the model (unmerged).
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -78,7 +81,12 @@ struct Server {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    let loaded = load(&args.model, args.dtype, args.device)?;
+    let loaded = load(
+        &args.model,
+        args.adapter.as_deref(),
+        args.dtype,
+        args.device,
+    )?;
     let media_dir = match &args.allowed_media_dir {
         Some(d) => Some(
             d.canonicalize()

@@ -2,9 +2,10 @@
 log-probability of each response token given its prompt: one JSON line per JSON line of stdin
 ({"prompt": text, "response": text} or {"prompt_ids": [...], "response_ids": [...]}). Eager
 attention on the CPU, in float32 (the reference numerics) or the dtype named by the second
-argument (bfloat16); the log-softmax is taken in float32 either way.
+argument (bfloat16); the log-softmax is taken in float32 either way. With a third argument, the
+PEFT adapter in that directory is applied first (`PeftModel.from_pretrained`).
 
-    python transformers_logprobs.py MODEL_DIR [float32|bfloat16] < cases.jsonl"""
+    python transformers_logprobs.py MODEL_DIR [float32|bfloat16 [ADAPTER_DIR]] < cases.jsonl"""
 
 import json
 import sys
@@ -18,13 +19,17 @@ from transformers import (
 )
 
 
-def main(model_dir: str, dtype: str) -> None:
+def main(model_dir: str, dtype: str, adapter: str | None) -> None:
     config = AutoConfig.from_pretrained(model_dir)
     vision = getattr(config, "vision_config", None) is not None
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="eager"
     ).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
     tokenizer = None
     for line in sys.stdin:
         case = json.loads(line)
@@ -54,4 +59,8 @@ def main(model_dir: str, dtype: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "float32")
+    main(
+        sys.argv[1],
+        sys.argv[2] if len(sys.argv) > 2 else "float32",
+        sys.argv[3] if len(sys.argv) > 3 else None,
+    )
