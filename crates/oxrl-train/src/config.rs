@@ -20,7 +20,7 @@ use crate::update::{AlgorithmConfig, UpdateConfig};
 use oxrl_algo::{
     AdvantageConfig, AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, PolicyLossConfig,
 };
-use oxrl_models::DeviceSpec;
+use oxrl_models::{DeviceSpec, LoraConfig, LoraInit, LORA_TARGETS};
 use oxrl_rollout::{VllmSpec, WeightSync};
 use std::path::{Path, PathBuf};
 
@@ -71,6 +71,8 @@ pub struct RunConfig {
     pub freeze_vision: bool,
     /// Recompute each decoder layer in the backward instead of keeping its activations.
     pub gradient_checkpointing: bool,
+    /// `[model.lora]`: train LoRA adapters instead of every weight (when `rank` is set).
+    pub lora: Option<LoraConfig>,
     pub reference_path: Option<String>,
     pub data: DataConfig,
     pub rollout: RolloutConfig,
@@ -199,6 +201,49 @@ fn choice<T: Copy>(
         .find(|(n, _, _)| *n == name)
         .map(|(_, _, v)| *v)
         .ok_or_else(|| given.bad(dotted, format!("unknown value \"{name}\"")))
+}
+
+/// `[model.lora]`, when `rank` is set: the adapters' configuration, checked.
+fn lora(given: &Given) -> Result<Option<LoraConfig>, ConfigError> {
+    let Some(rank) = given.get::<usize>("model.lora.rank") else {
+        for key in ["alpha", "dropout", "target_modules", "init", "use_rslora"] {
+            let dotted = format!("model.lora.{key}");
+            if given.is_set(&dotted) {
+                return Err(given.bad(&dotted, "has no effect without [model.lora] rank"));
+            }
+        }
+        return Ok(None);
+    };
+    let spec: Vec<String> = given.value("model.lora.target_modules");
+    let targets = match spec.as_slice() {
+        [all] if all == "all-linear" => LORA_TARGETS.iter().map(|t| t.to_string()).collect(),
+        _ => spec,
+    };
+    let config = LoraConfig {
+        rank,
+        alpha: given.value("model.lora.alpha"),
+        dropout: given.value("model.lora.dropout"),
+        targets,
+        init: choice(
+            given,
+            "model.lora.init",
+            &[
+                ("kaiming", "", LoraInit::Kaiming),
+                ("gaussian", "", LoraInit::Gaussian),
+            ],
+        )?,
+        rslora: given.value("model.lora.use_rslora"),
+    };
+    if config.dropout > 0.0 {
+        return Err(given.bad(
+            "model.lora.dropout",
+            "only 0 is supported so far (dropout on the adapters' input is not implemented)",
+        ));
+    }
+    if let Err(e) = config.validate() {
+        return Err(given.bad("model.lora.target_modules", e));
+    }
+    Ok(Some(config))
 }
 
 fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
@@ -385,6 +430,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         max_staleness: given.value("trainer.max_staleness"),
         freeze_vision: given.value("model.freeze_vision"),
         gradient_checkpointing: given.value("trainer.gradient_checkpointing"),
+        lora: lora(given)?,
         reference_path: given.get("reference.path").map(local_or_hub),
         data,
         rollout,

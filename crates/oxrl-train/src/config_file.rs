@@ -158,6 +158,10 @@ pub(crate) fn check(kind: &Kind, v: &toml::Value) -> Result<(), String> {
             Some(_) => Ok(()),
             None => Err(format!("expected a path or a list of paths, got {got}")),
         },
+        Kind::Names => match Vec::<String>::from_toml(v) {
+            Some(_) => Ok(()),
+            None => Err(format!("expected a name or a list of names, got {got}")),
+        },
         Kind::Pair(range) => match <(f64, f64)>::from_toml(v) {
             Some((a, b)) if range.contains(a) && range.contains(b) => Ok(()),
             _ => Err(format!("expected two numbers{}", range.describe())),
@@ -385,6 +389,15 @@ impl<'a> Given<'a> {
             let dotted = format!("{section}.{s}");
             let at = line_of(self.text, sub.span().start);
             self.lines.insert(dotted.clone(), at);
+            // A subsection (`[model.lora]`) of this section.
+            if let (DeValue::Table(table), Some(toml::Value::Table(sub_values))) =
+                (spanned.get_ref(), values.get(s))
+            {
+                if KEYS.iter().any(|k| k.section == dotted) {
+                    self.walk_section(&dotted, table, sub_values)?;
+                    continue;
+                }
+            }
             let Some(key) = spec(section, s) else {
                 return Err(self.unknown(&dotted, at, keys_in(section).map(|d| d.key).collect()));
             };

@@ -45,6 +45,8 @@ pub enum Kind {
     OneOf(fn() -> Vec<Choice>),
     /// A list of strings.
     Strings,
+    /// A name or a list of names.
+    Names,
     /// A path or a list of paths.
     Paths,
     /// Two numbers in a range (`[0.9, 0.999]`).
@@ -210,6 +212,13 @@ const fn choice(name: &'static str, meaning: &'static str) -> Choice {
     }
 }
 
+fn lora_inits() -> Vec<Choice> {
+    vec![
+        choice("kaiming", "PEFT's default: uniform in ±1/sqrt(fan_in)"),
+        choice("gaussian", "PEFT's \"gaussian\": normal with std 1/rank"),
+    ]
+}
+
 fn dtypes() -> Vec<Choice> {
     vec![choice("f32", ""), choice("bf16", ""), choice("f16", "")]
 }
@@ -302,7 +311,7 @@ const fn function_key(
 }
 
 use self::KeyDefault::{Shown, Text, Value};
-use self::Range::{AboveOne, Beta, Finite, NonNegative, Positive, Probability};
+use self::Range::{AboveOne, Beta, Finite, Fraction, NonNegative, Positive, Probability};
 
 const CODE: &[&str] = &["code"];
 const HTTP: &[&str] = &["http"];
@@ -321,6 +330,12 @@ pub const KEYS: &[KeySpec] = table! {
     key("model", "dtype", Kind::OneOf(dtypes), Value("\"f32\""), "compute dtype"),
     key("model", "device", Kind::Str, Value("\"cpu\""), "where the policy and reference run and train: cpu, cuda (the first GPU) or cuda:N (needs a build with --features cuda)"),
     key("model", "freeze_vision", Kind::Bool, Value("false"), "Qwen3-VL: keep the vision tower's weights fixed (train the language model only)"),
+    key("model.lora", "rank", int(1), Text("none (no LoRA)"), "train rank-r LoRA adapters on the language model's projections instead of every weight (PEFT's r); setting it turns LoRA on"),
+    key("model.lora", "alpha", Kind::Float(Positive), Value("16.0"), "the adapters' scale is alpha / rank (PEFT's lora_alpha)"),
+    key("model.lora", "dropout", Kind::Float(Fraction), Value("0.0"), "dropout on the adapters' input while training (PEFT's lora_dropout; only 0 so far)"),
+    key("model.lora", "target_modules", Kind::Names, Value("\"all-linear\""), "\"all-linear\" (q/k/v/o_proj and gate/up/down_proj) or a list of those names"),
+    key("model.lora", "init", Kind::OneOf(lora_inits), Value("\"kaiming\""), "how A starts (B starts at zero)"),
+    key("model.lora", "use_rslora", Kind::Bool, Value("false"), "scale by alpha / sqrt(rank) (rank-stabilised LoRA)"),
     key("reference", "path", Kind::Str, Text("the policy's initial weights"), "reference model for the KL term (loaded only when kl_coef > 0)"),
     key("data", "train_files", Kind::Paths, Text("(required unless --rollouts)"), "JSONL or Parquet dataset(s), paths relative to this file"),
     key("data", "val_files", Kind::Paths, Text("none"), "validation dataset(s), decoded greedily and scored before training, every eval_every steps and at the end"),
@@ -477,6 +492,7 @@ impl Kind {
             Kind::OneOf(_) | Kind::Preset => quoted_alternatives(&self.names()),
             Kind::Strings => "list of strings".into(),
             Kind::Paths => "path or list of paths".into(),
+            Kind::Names => "name or list of names".into(),
             Kind::Pair(r) => format!("two numbers{}", r.describe()),
             Kind::Tables => "tables".into(),
         }

@@ -42,6 +42,11 @@ fn dtype(name: &str) -> DType {
 /// reference model when `kl_coef > 0` (default: the policy's initial weights), AdamW with f32
 /// master weights read from `policy_dir` (a bf16 policy computes with their rounding) — unless
 /// `resuming`, when the saved optimizer state brings them.
+///
+/// With `[model.lora]` the policy is the base model (`[model] path`) with adapters: fresh ones
+/// drawn from the run's seed, or on a resume the checkpoint's (`policy_dir` then holds only
+/// the adapter). The default reference is that same base with the adapters off, not a
+/// second copy of its weights.
 pub fn build_trainer(
     cfg: &RunConfig,
     policy_dir: &Path,
@@ -49,23 +54,69 @@ pub fn build_trainer(
     resuming: bool,
 ) -> Result<PolicyTrainer> {
     let dt = dtype(&cfg.dtype);
-    let mut policy = load_policy(policy_dir, dt, device)?;
+    let base_dir = match (&cfg.lora, resuming) {
+        (Some(_), true) => resolve_model(&cfg.model_path)?,
+        _ => policy_dir.to_path_buf(),
+    };
+    let mut policy = load_policy(&base_dir, dt, device)?;
     policy.set_vision_frozen(cfg.freeze_vision);
     policy.set_gradient_checkpointing(cfg.gradient_checkpointing);
-    let reference = match cfg.algorithm.kl_coef > 0.0 {
-        true => {
-            let r = cfg.reference_path.as_deref().unwrap_or(&cfg.model_path);
+    if let Some(lora) = &cfg.lora {
+        attach_adapters(cfg, lora, policy.as_mut(), policy_dir, resuming)?;
+    }
+    let reference = match (cfg.algorithm.kl_coef > 0.0, &cfg.reference_path, &cfg.lora) {
+        (false, _, _) => None,
+        (true, None, Some(_)) => {
+            let base = policy.detached();
+            base.set_adapters_enabled(false);
+            Some(base)
+        }
+        (true, path, _) => {
+            let r = path.as_deref().unwrap_or(&cfg.model_path);
             Some(load_policy(&resolve_model(r)?, dt, device)?)
         }
-        false => None,
     };
     let mut trainer =
         PolicyTrainer::new(policy, reference, cfg.algorithm.clone(), cfg.update.clone())?;
     trainer.max_staleness = cfg.max_staleness;
-    if !resuming {
+    // A LoRA run's trainable tensors are its adapters, which no checkpoint holds yet: their
+    // masters are their own starting values.
+    if !resuming && cfg.lora.is_none() {
         trainer.master_weights_from(policy_dir)?;
     }
     Ok(trainer)
+}
+
+/// Puts the run's adapters on the base `policy`: the checkpoint's on a resume (refusing one
+/// whose shape the config no longer describes), fresh ones otherwise.
+fn attach_adapters(
+    cfg: &RunConfig,
+    lora: &oxrl_models::LoraConfig,
+    policy: &mut dyn oxrl_models::PolicyModel,
+    checkpoint: &Path,
+    resuming: bool,
+) -> Result<()> {
+    if !resuming {
+        policy.attach_lora(lora, cfg.seed)?;
+        return Ok(());
+    }
+    policy.load_adapter(checkpoint)?;
+    let saved = policy.lora();
+    let same = saved.as_ref().is_some_and(|s| {
+        s.rank == lora.rank
+            && s.alpha == lora.alpha
+            && s.rslora == lora.rslora
+            && s.targets == lora.targets
+    });
+    if !same {
+        return Err(TrainError::Invalid(format!(
+            "{}: [model.lora] differs from the adapter in {} ({saved:?}); resume with the \
+             configuration the run started with",
+            cfg.source.display(),
+            checkpoint.display()
+        )));
+    }
+    Ok(())
 }
 
 /// The run's `[model] device`, opened; the error names the config file.

@@ -80,6 +80,11 @@ pub struct Workload {
     pub model: Qwen3Config,
     /// Every weight, vision tower included.
     pub parameters: u64,
+    /// The weights that train: all of them, or a LoRA run's adapters.
+    pub trainable: u64,
+    /// LoRA: the base weights are frozen (no gradients, no optimizer state, no weight-gradient
+    /// products in the backward) and the reference is the base with the adapters off.
+    pub lora: Option<LoraShape>,
     /// Bytes per element of the compute dtype (bf16: 2, f32: 4).
     pub dtype_bytes: f64,
     /// A reference model is held beside the policy (`kl_coef > 0`).
@@ -100,7 +105,8 @@ pub struct Workload {
 /// Bytes per GPU by category.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Memory {
-    /// Policy (and reference) weights in the compute dtype, replicated.
+    /// Policy (and reference) weights in the compute dtype, replicated (a LoRA run's reference
+    /// shares the policy's).
     pub weights: f64,
     /// f32 gradient accumulators (a shard of them under ZeRO-2, plus one layer's bucket).
     pub gradients: f64,
@@ -202,6 +208,10 @@ impl Workload {
             .and_then(|a| a.as_str())
             .unwrap_or("Qwen3ForCausalLM");
         let name = format!("{} ({architecture})", cfg.model_path);
+        let trainable = match &cfg.lora {
+            Some(lora) => lora_parameters(&shapes, lora),
+            None => parameters,
+        };
         let logit_chunk_rows = LOGIT_CHUNK_ELEMENTS / model.vocab_size.max(1);
         // Sequences are as long as the limits allow, never past the model's positions; a
         // micro-batch never holds more than the step's trajectories.
@@ -209,9 +219,12 @@ impl Workload {
         let response_tokens = cfg.rollout.max_new_tokens.min(positions);
         let prompt_tokens = cfg.data.max_prompt_length.min(positions - response_tokens);
         let trajectories = cfg.batch_size * cfg.rollout.n_samples_per_prompt;
+        let lora = cfg.lora.as_ref().map(|l| LoraShape::of(&model, l));
         let workload = Workload {
             model,
             parameters,
+            trainable,
+            lora,
             dtype_bytes: if cfg.dtype == "f32" { 4.0 } else { 2.0 },
             reference: cfg.algorithm.kl_coef > 0.0,
             gpus: gpus.max(1),
@@ -241,8 +254,9 @@ impl Workload {
         let (c, w) = (&self.model, self.dtype_bytes);
         let s = self.sequence();
         let tokens = micro as f64 * s;
-        let layer =
-            tokens * token_layer_bytes(c, w) + micro as f64 * attention_layer_bytes(c, w, s);
+        let adapters = self.lora.map_or(0.0, |l| l.token_layer_bytes(w));
+        let layer = tokens * (token_layer_bytes(c, w) + adapters)
+            + micro as f64 * attention_layer_bytes(c, w, s);
         let working = backward_working_bytes(c, w, micro as f64, s);
         let layers = c.num_hidden_layers as f64;
         let boundaries = layers * tokens * c.hidden_size as f64 * w;
@@ -252,13 +266,19 @@ impl Workload {
     /// Memory per GPU with micro-batches of `micro` trajectories.
     pub fn memory(&self, micro: usize) -> Memory {
         let p = self.parameters as f64;
+        // What trains: gradients and optimizer state are counted over these.
+        let t = self.trainable as f64;
         let c = &self.model;
         let w = self.dtype_bytes;
-        let copies = if self.reference { 2.0 } else { 1.0 };
-        let largest_bucket = 4.0 * self.layer_parameters();
+        let copies = if self.reference && self.lora.is_none() {
+            2.0
+        } else {
+            1.0
+        };
+        let largest_bucket = 4.0 * self.layer_parameters() * t / p;
         let gradients = match self.gpus {
-            0 | 1 => 4.0 * p,
-            _ => 4.0 * p / self.shard() + largest_bucket,
+            0 | 1 => 4.0 * t,
+            _ => 4.0 * t / self.shard() + largest_bucket,
         };
         let (full, checkpointed) = self.activations(micro);
         let rows = (micro * self.response_tokens).min(self.logit_chunk_rows.max(1)) as f64;
@@ -267,14 +287,15 @@ impl Workload {
             2.0 * c.num_hidden_layers as f64 * (c.num_key_value_heads * c.head_dim) as f64 * w;
         let kv_per_sequence = self.sequence() * kv_per_token;
         let backward_gradients = match self.gpus {
-            0 | 1 => p * w,
-            _ => self.layer_parameters() * w,
+            0 | 1 => t * w,
+            _ => self.layer_parameters() * w * t / p,
         };
+        let adapters = if self.lora.is_some() { t * w } else { 0.0 };
         Memory {
-            weights: copies * p * w,
+            weights: copies * p * w + adapters,
             gradients,
             backward_gradients,
-            optimizer: 3.0 * 4.0 * p / self.shard(),
+            optimizer: 3.0 * 4.0 * t / self.shard(),
             activations: if self.gradient_checkpointing {
                 checkpointed
             } else {
@@ -323,9 +344,16 @@ impl Workload {
             self.prompt_tokens,
         );
         let forward = flops.update / 3.0;
+        // LoRA's backward computes input gradients only (the frozen weights get none): 2×
+        // the forward instead of 3× (the adapters' own products are a rounding error).
+        let update = if self.lora.is_some() {
+            2.0 * forward
+        } else {
+            flops.update
+        };
         let training = flops.old_logprobs
             + if self.reference { flops.reference } else { 0.0 }
-            + flops.update
+            + update
             + if self.gradient_checkpointing {
                 forward
             } else {
@@ -340,6 +368,54 @@ impl Workload {
             training: training / rate,
         }
     }
+}
+
+/// A LoRA run's adapters per decoder layer, as the planner counts them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoraShape {
+    pub rank: usize,
+    /// Adapted projections per layer.
+    pub projections: usize,
+    /// The sum of their output widths.
+    pub outputs: usize,
+}
+
+impl LoraShape {
+    pub fn of(c: &Qwen3Config, lora: &oxrl_models::LoraConfig) -> Self {
+        let width = |target: &str| match target {
+            "q_proj" => c.num_attention_heads * c.head_dim,
+            "k_proj" | "v_proj" => c.num_key_value_heads * c.head_dim,
+            "gate_proj" | "up_proj" => c.intermediate_size,
+            _ => c.hidden_size,
+        };
+        Self {
+            rank: lora.rank,
+            projections: lora.targets.len(),
+            outputs: lora.targets.iter().map(|t| width(t)).sum(),
+        }
+    }
+
+    /// Bytes a token keeps per layer for the adapters' backward, in the compute dtype `w`: per
+    /// adapted projection `x·Aᵀ` and its scaled copy (rank wide), the adapter's output and
+    /// its sum with the frozen product (output wide).
+    fn token_layer_bytes(&self, w: f64) -> f64 {
+        w * (2.0 * self.outputs as f64 + 2.0 * (self.rank * self.projections) as f64)
+    }
+}
+
+/// LoRA adapter elements on the language model's projections that `lora` targets, from a
+/// model's parameter shapes: `r·(in + out)` per adapted `[out, in]` weight.
+pub fn lora_parameters(shapes: &[(String, Vec<usize>)], lora: &oxrl_models::LoraConfig) -> u64 {
+    shapes
+        .iter()
+        .filter(|(name, _)| !name.starts_with(oxrl_models::vision::VISION_PREFIX))
+        .filter(|(name, _)| {
+            lora.targets
+                .iter()
+                .any(|t| name.ends_with(&format!(".{t}.weight")))
+        })
+        .map(|(_, s)| (lora.rank * s.iter().sum::<usize>()) as u64)
+        .sum()
 }
 
 /// Estimated seconds of a step's phases.
@@ -425,6 +501,8 @@ mod tests {
         Workload {
             model: qwen3_vl_8b_text(),
             parameters: 8_770_000_000,
+            trainable: 8_770_000_000,
+            lora: None,
             dtype_bytes: 2.0,
             reference: false,
             gpus,
@@ -481,6 +559,82 @@ mod tests {
         let boundaries = 36.0 * 4096.0 * 4096.0 * 2.0;
         assert!((checkpointed - (boundaries + layer + working)).abs() < 1.0);
         assert!(checkpointed < full / 10.0);
+    }
+
+    /// LoRA rank 16 on all seven projections of Qwen3-VL-8B's 36 layers: per layer
+    /// 16·(2·(4096 + 4096) + 2·(4096 + 1024) + 3·(4096 + 12288)) = 1,212,416 elements.
+    #[test]
+    fn lora_trains_and_keeps_only_the_adapters() {
+        let shapes: Vec<(String, Vec<usize>)> = ["q_proj", "k_proj", "v_proj", "o_proj"]
+            .iter()
+            .zip([[4096, 4096], [1024, 4096], [1024, 4096], [4096, 4096]])
+            .chain(["gate_proj", "up_proj", "down_proj"].iter().zip([
+                [12288, 4096],
+                [12288, 4096],
+                [4096, 12288],
+            ]))
+            .flat_map(|(name, shape)| {
+                (0..36).map(move |l| {
+                    let part = if name.ends_with("_proj") && name.len() == 6 {
+                        "self_attn"
+                    } else {
+                        "mlp"
+                    };
+                    (
+                        format!("model.language_model.layers.{l}.{part}.{name}.weight"),
+                        shape.to_vec(),
+                    )
+                })
+            })
+            .chain([(
+                "model.visual.blocks.0.attn.qkv.weight".to_string(),
+                vec![3456, 1152],
+            )])
+            .collect();
+        let lora = oxrl_models::LoraConfig {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            targets: oxrl_models::LORA_TARGETS
+                .iter()
+                .map(|t| t.to_string())
+                .collect(),
+            init: oxrl_models::LoraInit::Kaiming,
+            rslora: false,
+        };
+        let per_layer = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 12288));
+        assert_eq!(per_layer, 1_212_416);
+        let trainable = lora_parameters(&shapes, &lora);
+        assert_eq!(trainable, 36 * per_layer as u64);
+
+        let mut w = workload(1);
+        w.reference = true;
+        let full_w = w.clone();
+        let full = w.memory(1);
+        w.lora = Some(LoraShape::of(&w.model, &lora));
+        w.trainable = trainable;
+        let m = w.memory(1);
+        // One copy of the weights (the reference is the base with adapters off) plus adapters.
+        assert_eq!(m.weights, 8.77e9 * 2.0 + trainable as f64 * 2.0);
+        assert_eq!(full.weights, 2.0 * 8.77e9 * 2.0);
+        assert_eq!(m.gradients, 4.0 * trainable as f64);
+        assert_eq!(m.optimizer, 12.0 * trainable as f64);
+        assert_eq!(m.backward_gradients, 2.0 * trainable as f64);
+        // Activations: the full run's, plus per token and layer each projection's x·Aᵀ and its
+        // scaled copy (16 wide) and the adapter's output and sum (output wide; the outputs sum
+        // to 4096 + 1024 + 1024 + 4096 + 12288 + 12288 + 4096 = 38,912), in bf16.
+        let shape = w.lora.unwrap();
+        assert_eq!((shape.projections, shape.outputs), (7, 38_912));
+        let per_layer = 4096.0 * 2.0 * (2.0 * 38_912.0 + 2.0 * 16.0 * 7.0);
+        let full_extra = m.activations_full - full.activations_full;
+        assert!((full_extra - 36.0 * per_layer).abs() < 1.0);
+        // Checkpointed, one layer's activations are alive at a time.
+        let checkpointed_extra = m.activations_checkpointed - full.activations_checkpointed;
+        assert!((checkpointed_extra - per_layer).abs() < 1.0);
+        // The update: forward + input gradients only.
+        let gpu = accelerator("h100").unwrap();
+        let (a, b) = (full_w.step_seconds(&gpu), w.step_seconds(&gpu));
+        assert!(b.training < a.training && b.rollout == a.rollout);
     }
 
     #[test]

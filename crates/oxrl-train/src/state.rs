@@ -1,5 +1,6 @@
 //! Training checkpoints: a Hugging Face model directory (`checkpoint-<step>/`) that transformers
-//! loads unchanged, plus `optimizer.safetensors` (f32 master weights and AdamW moments) and
+//! loads unchanged (a LoRA run's: its adapter in PEFT's format, which `PeftModel.from_pretrained`
+//! loads onto the base), plus `optimizer.safetensors` (f32 master weights and AdamW moments) and
 //! `trainer_state.json` (step, data cursor, seed), all written before the directory appears
 //! under its final name, so `--resume` never picks up half a checkpoint.
 
@@ -7,7 +8,9 @@ use crate::data::DataCursor;
 use crate::optim::{AdamW, ParamState};
 use crate::update::{PolicyTrainer, Result, TrainError};
 use candle_core::Tensor;
-use oxrl_models::checkpoint::{save_safetensors_synced, write_synced, MAX_SHARD_BYTES};
+use oxrl_models::checkpoint::{
+    copy_side_files, save_safetensors_synced, write_dir_atomically, write_synced, MAX_SHARD_BYTES,
+};
 use oxrl_models::{ModelError, HOST};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -57,9 +60,23 @@ pub fn save(
         let json = serde_json::to_string_pretty(state).unwrap_or_default();
         write_synced(&tmp.join(TRAINER_STATE), json.as_bytes())
     };
-    trainer
-        .policy
-        .save_with(&dir, copy_from, MAX_SHARD_BYTES, &extra)?;
+    match trainer.policy.lora() {
+        // A LoRA run's checkpoint is its adapter in PEFT's format beside the optimizer state;
+        // the base model stays where `[model] path` names it.
+        Some(_) => {
+            let base = copy_from
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            write_dir_atomically(&dir, &|tmp| {
+                trainer.policy.write_adapter(tmp, &base)?;
+                copy_side_files(copy_from, tmp)?;
+                extra(tmp)
+            })?
+        }
+        None => trainer
+            .policy
+            .save_with(&dir, copy_from, MAX_SHARD_BYTES, &extra)?,
+    }
     Ok(dir)
 }
 

@@ -1,6 +1,7 @@
 //! The planner's estimate of a micro-batch's memory (activations, logits, the backward's
 //! gradients) against the peak resident memory a real forward + backward adds on this CPU, for
-//! W1 and a deeper model with long sequences, with and without layer checkpointing.
+//! W1 and a deeper model with long sequences: full fine-tuning with and without layer
+//! checkpointing, and LoRA (rank 8 on every projection).
 //!
 //! Each case runs in a fresh child process (this test binary again, told which case by an
 //! environment variable): the kernel's peak-RSS counter (`VmHWM`, reset through
@@ -8,8 +9,8 @@
 //! the allocator and would be reused without showing.
 
 use candle_core::{DType, Device};
-use oxrl_models::{Entropy, Qwen3, ScoreRequest};
-use oxrl_train::plan::Workload;
+use oxrl_models::{Entropy, LoraConfig, LoraInit, Qwen3, ScoreRequest, LORA_TARGETS};
+use oxrl_train::plan::{LoraShape, Workload};
 use serde_json::json;
 
 /// A `/proc/self/status` field in bytes.
@@ -91,11 +92,29 @@ fn cases() -> [Case; 2] {
 }
 
 /// Estimated and measured bytes of one case, in this process.
-fn run_case(case: &Case, checkpointing: bool) -> (f64, f64) {
+fn run_case(case: &Case, checkpointing: bool, lora: bool) -> (f64, f64) {
     let mut model = Qwen3::random(config(case), 0, DType::F32, &Device::Cpu).unwrap();
     model.gradient_checkpointing = checkpointing;
+    let parameters: usize = model
+        .named_parameters()
+        .iter()
+        .map(|(_, t)| t.elem_count())
+        .sum();
+    let mut shape = None;
+    if lora {
+        let config = LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: LORA_TARGETS.iter().map(|t| t.to_string()).collect(),
+            init: LoraInit::Kaiming,
+            rslora: false,
+        };
+        model.attach_lora(&config, 0).unwrap();
+        shape = Some(LoraShape::of(&model.config, &config));
+    }
     let vars = model.make_trainable().unwrap();
-    let parameters: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
+    let trainable: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
     let ids = |n: usize, k: usize| -> Vec<u32> {
         (0..n)
             .map(|i| ((i * 7919 + k * 104_729) % case.vocab) as u32)
@@ -108,6 +127,8 @@ fn run_case(case: &Case, checkpointing: bool) -> (f64, f64) {
     let workload = Workload {
         model: model.config.clone(),
         parameters: parameters as u64,
+        trainable: trainable as u64,
+        lora: shape,
         dtype_bytes: 4.0,
         reference: false,
         gpus: 1,
@@ -125,18 +146,20 @@ fn run_case(case: &Case, checkpointing: bool) -> (f64, f64) {
 #[test]
 fn micro_batch_estimates_are_within_15_percent_of_measured_peak_rss() {
     if let Ok(which) = std::env::var(CASE_VAR) {
-        let (case, checkpointing) = which.split_once(':').unwrap();
-        let case = &cases()[case.parse::<usize>().unwrap()];
-        let (want, got) = run_case(case, checkpointing == "true");
+        let mut parts = which.split(':');
+        let case = &cases()[parts.next().unwrap().parse::<usize>().unwrap()];
+        let checkpointing = parts.next() == Some("true");
+        let lora = parts.next() == Some("true");
+        let (want, got) = run_case(case, checkpointing, lora);
         println!("RESULT {want} {got}");
         return;
     }
     let mut report = Vec::new();
     for (i, case) in cases().iter().enumerate() {
-        for checkpointing in [false, true] {
+        for (checkpointing, lora) in [(false, false), (true, false), (false, true)] {
             let out = std::process::Command::new(std::env::current_exe().unwrap())
                 .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
-                .env(CASE_VAR, format!("{i}:{checkpointing}"))
+                .env(CASE_VAR, format!("{i}:{checkpointing}:{lora}"))
                 // A fixed mmap threshold: glibc's default raises it (to 32 MB) after the first
                 // large frees, and the many sub-32 MB tensors of repeated recomputation then
                 // fragment the heap — +22% RSS on the checkpointed deeper case (1213 vs 990
@@ -159,7 +182,7 @@ fn micro_batch_estimates_are_within_15_percent_of_measured_peak_rss() {
             let (want, got) = (numbers.next().unwrap(), numbers.next().unwrap());
             let ratio = want / got;
             let line = format!(
-                "{} checkpointing {checkpointing}: estimated {:.0} MB, measured {:.0} MB ({ratio:.2})",
+                "{} checkpointing {checkpointing}, LoRA {lora}: estimated {:.0} MB, measured {:.0} MB ({ratio:.2})",
                 case.name,
                 want / 1e6,
                 got / 1e6

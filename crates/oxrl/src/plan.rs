@@ -42,7 +42,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
         say!(
             "{}",
             json!({
-                "model": name, "parameters": w.parameters, "gpus": w.gpus, "gpu": gpu.name,
+                "model": name, "parameters": w.parameters, "trainable": w.trainable,
+                "lora_rank": w.lora.map(|l| l.rank), "gpus": w.gpus, "gpu": gpu.name,
                 "micro_batch": w.micro_batch, "gradient_checkpointing": w.gradient_checkpointing,
                 "bytes_per_gpu": {
                     "weights": memory.weights, "gradients": memory.gradients,
@@ -116,10 +117,20 @@ pub fn table(w: &Workload, name: &str, device: &str, memory: f64, budget: f64) -
         w.micro_batch,
         if w.gradient_checkpointing { "on" } else { "off" },
     );
-    let copies = if w.reference {
-        "policy + reference"
-    } else {
-        "policy"
+    if let Some(lora) = &w.lora {
+        out.push_str(&format!(
+            "\nLoRA rank {} on {} projections per layer: {:.1} M trainable parameters (gradients \
+             and optimizer state for these only; the KL reference is the base with the adapters \
+             off, no second copy)",
+            lora.rank,
+            lora.projections,
+            w.trainable as f64 / 1e6
+        ));
+    }
+    let copies = match (w.reference, w.lora.is_some()) {
+        (true, false) => "policy + reference",
+        (_, true) => "base + adapters",
+        (false, false) => "policy",
     };
     let rows = [
         (

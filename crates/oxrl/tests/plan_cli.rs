@@ -13,12 +13,11 @@ fn oxrl(args: &[&str]) -> Output {
 }
 
 fn plan(extra: &[&str]) -> Value {
-    let mut args = vec![
-        "plan",
-        "--config",
-        "examples/qwen3-vl-8b/plan.toml",
-        "--json",
-    ];
+    plan_of("examples/qwen3-vl-8b/plan.toml", extra)
+}
+
+fn plan_of(config: &str, extra: &[&str]) -> Value {
+    let mut args = vec!["plan", "--config", config, "--json"];
     args.extend(extra);
     let out = oxrl(&args);
     assert!(
@@ -54,6 +53,30 @@ fn the_reference_run_is_counted_from_its_config() {
     let step = big["seconds_per_step"]["total"].as_f64().unwrap();
     let usd = big["usd_per_step"].as_f64().unwrap();
     assert!((usd - step * 8.0 * 2.5 / 3600.0).abs() < 1e-9);
+}
+
+/// LoRA rank 64 on all seven projections of the 36 text layers: 64·75,776 per layer (q and o
+/// 4096→4096, k and v 4096→1024, gate and up 4096→12288, down 12288→4096), 174.6 M in all,
+/// and the run that needs eight GPUs fully fine-tuned fits one H100.
+#[test]
+fn lora_on_one_gpu_fits_the_reference_run() {
+    let p = plan_of(
+        "examples/qwen3-vl-8b/plan-lora.toml",
+        &["--gpus", "1", "--gpu", "h100"],
+    );
+    let trainable = p["trainable"].as_f64().unwrap();
+    assert_eq!(trainable, 36.0 * 64.0 * 75_776.0);
+    assert_eq!(p["lora_rank"], 64);
+    let params = p["parameters"].as_f64().unwrap();
+    let bytes = &p["bytes_per_gpu"];
+    // One copy of the base (the reference is the base with adapters off) plus the adapters.
+    assert_eq!(
+        bytes["weights"].as_f64().unwrap(),
+        2.0 * params + 2.0 * trainable
+    );
+    assert_eq!(bytes["optimizer"].as_f64().unwrap(), 12.0 * trainable);
+    assert_eq!(bytes["gradients"].as_f64().unwrap(), 4.0 * trainable);
+    assert_eq!(p["fits"], true);
 }
 
 #[test]
