@@ -82,6 +82,10 @@ pub struct GrpoStepBench {
     /// Recompute each decoder layer in the update's backward instead of keeping its activations.
     #[arg(long)]
     gradient_checkpointing: bool,
+    /// Train LoRA adapters of this rank on every projection (alpha = 2 × rank) instead of every
+    /// weight; the reference is then the base with the adapters off.
+    #[arg(long)]
+    lora_rank: Option<usize>,
     /// Steps to time (the first is a warm-up and not counted when there are more).
     #[arg(long, default_value_t = 2)]
     steps: usize,
@@ -518,11 +522,30 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
     let mut policy = shaped_model(b.shape, 0, dtype, &device)?;
     policy.gradient_checkpointing = b.gradient_checkpointing;
     let config = policy.config.clone();
-    let reference = shaped_model(b.shape, 1, dtype, &device)?;
+    let reference: Box<dyn PolicyModel> = match b.lora_rank {
+        Some(rank) => {
+            let lora = oxrl_models::LoraConfig {
+                rank,
+                alpha: 2.0 * rank as f64,
+                dropout: 0.0,
+                targets: oxrl_models::LORA_TARGETS
+                    .iter()
+                    .map(|t| t.to_string())
+                    .collect(),
+                init: oxrl_models::LoraInit::Kaiming,
+                rslora: false,
+            };
+            policy.attach_lora(&lora, 0)?;
+            let base = policy.detached();
+            base.set_adapters_enabled(false);
+            Box::new(base)
+        }
+        None => Box::new(shaped_model(b.shape, 1, dtype, &device)?),
+    };
     let memory = crate::device_memory::PeakWatch::start(&device)?;
     let mut trainer = bench_trainer(
         Box::new(policy),
-        Box::new(reference),
+        reference,
         b.new_tokens,
         b.micro_batch_size,
         b.steps as u64,
@@ -591,7 +614,15 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
     } else {
         ""
     };
-    let setup = format!("{:?} {} {:?}{checkpointing}", b.shape, b.device, b.dtype).to_lowercase();
+    let trainable: usize = trainer.vars().iter().map(|(_, v)| v.elem_count()).sum();
+    let lora = b.lora_rank.map_or(String::new(), |r| {
+        format!(" LoRA rank {r} ({trainable} trainable)")
+    });
+    let setup = format!(
+        "{:?} {} {:?}{checkpointing}{lora}",
+        b.shape, b.device, b.dtype
+    )
+    .to_lowercase();
     let phases = [
         "time/rollout",
         "time/old_logprobs",
@@ -614,6 +645,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         obj.insert("setup".into(), setup.into());
         obj.insert("peak_device_memory_gib".into(), peak_memory_gib.into());
         obj.insert("peak_host_rss_gib".into(), host_rss_gib.into());
+        obj.insert("trainable_parameters".into(), trainable.into());
         obj.insert("trl_seconds_per_step".into(), TRL_SECONDS_PER_STEP.into());
         obj.insert(
             "speedup_vs_trl".into(),
