@@ -183,6 +183,37 @@ fn a_lora_run_trains_adapters_saves_them_as_peft_does_and_resumes_exactly() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `oxrl sft` takes the same `[model.lora]`: its checkpoints are adapters too.
+#[test]
+fn sft_trains_lora_adapters() {
+    let dir = temp_dir("lora-sft");
+    let example = oxrl_fixtures::repo().join("examples/arithmetic");
+    let config = dir.join("sft.toml");
+    let text = std::fs::read_to_string(example.join("sft.toml"))
+        .unwrap()
+        .replace("__INIT__", s(&example.join("policy")))
+        .replace("data/sft.jsonl", s(&example.join("data/sft.jsonl")))
+        .replace("max_steps = 300", "max_steps = 2")
+        .replace("batch_size = 64", "batch_size = 8");
+    std::fs::write(&config, format!("{text}\n{LORA}")).unwrap();
+    let out = dir.join("out");
+    ok(&oxrl(&[
+        "sft",
+        "--config",
+        s(&config),
+        "--output-dir",
+        s(&out),
+    ]));
+    let checkpoint = out.join("checkpoint-2");
+    assert!(!checkpoint.join("model.safetensors").exists());
+    let trained = adapter(&checkpoint);
+    assert!(trained
+        .iter()
+        .filter(|(n, _)| n.ends_with("lora_B.weight"))
+        .all(|(_, v)| v.iter().any(|x| *x != 0.0)));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn lora_settings_are_checked_with_file_line_and_key() {
     let dir = temp_dir("lora-config");

@@ -3,7 +3,8 @@
 //! steps against it. With `sync = "disk"` every step's `rollout_logprob_diff` (vLLM's log-probs
 //! against the trainer's for the same tokens) stays ≤ 1e-5 and the samples carry the advancing
 //! weight versions; with `sync = "none"` the server keeps the start weights and the diff grows,
-//! which shows the sync really moved the weights.
+//! which shows the sync really moved the weights. A LoRA run syncs the merged weights: its diff
+//! stays ≤ 1e-5 too.
 
 use candle_core::{DType, Device};
 use oxrl_fixtures::{repo, temp_dir, VllmProcess};
@@ -118,8 +119,25 @@ fn grpo_on_a_vllm_server_syncs_weights_through_disk() {
             assert_eq!(t["weight_version"].as_u64(), Some(step - 1), "{line}");
         }
     }
+    // LoRA: the server gets the base with the adapters merged in, step after step.
+    let lora_config = config(&dir, "lora", &policy, &server.url, "disk");
+    let text = std::fs::read_to_string(&lora_config).unwrap();
+    std::fs::write(
+        &lora_config,
+        format!("{text}[model.lora]\nrank = 4\nalpha = 32\n"),
+    )
+    .unwrap();
+    let lora = train(&lora_config, &dir.join("lora"));
+    let lora_diff: Vec<f64> = lora
+        .iter()
+        .map(|m| m["rollout_logprob_diff"].as_f64().unwrap())
+        .collect();
+    assert!(lora_diff.iter().all(|d| *d <= 1e-5), "LoRA: {lora_diff:?}");
+    assert!(dir
+        .join("lora/checkpoint-3/adapter_model.safetensors")
+        .exists());
     eprintln!(
-        "rollout_logprob_diff: synced {:?}, unsynced {stale_diff:?}; weight_sync s {:?}",
+        "rollout_logprob_diff: synced {:?}, unsynced {stale_diff:?}, LoRA {lora_diff:?}; weight_sync s {:?}",
         synced
             .iter()
             .map(|m| m["rollout_logprob_diff"].as_f64().unwrap())
