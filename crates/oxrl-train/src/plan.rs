@@ -591,17 +591,7 @@ mod tests {
                 vec![3456, 1152],
             )])
             .collect();
-        let lora = oxrl_models::LoraConfig {
-            rank: 16,
-            alpha: 32.0,
-            dropout: 0.0,
-            targets: oxrl_models::LORA_TARGETS
-                .iter()
-                .map(|t| t.to_string())
-                .collect(),
-            init: oxrl_models::LoraInit::Kaiming,
-            rslora: false,
-        };
+        let lora = oxrl_models::LoraConfig::all_linear(16, 32.0);
         let per_layer = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 12288));
         assert_eq!(per_layer, 1_212_416);
         let trainable = lora_parameters(&shapes, &lora);

@@ -9,7 +9,7 @@
 //! the allocator and would be reused without showing.
 
 use candle_core::{DType, Device};
-use oxrl_models::{Entropy, LoraConfig, LoraInit, Qwen3, ScoreRequest, LORA_TARGETS};
+use oxrl_models::{Entropy, LoraConfig, Qwen3, ScoreRequest};
 use oxrl_train::plan::{LoraShape, Workload};
 use serde_json::json;
 
@@ -102,14 +102,7 @@ fn run_case(case: &Case, checkpointing: bool, lora: bool) -> (f64, f64) {
         .sum();
     let mut shape = None;
     if lora {
-        let config = LoraConfig {
-            rank: 8,
-            alpha: 16.0,
-            dropout: 0.0,
-            targets: LORA_TARGETS.iter().map(|t| t.to_string()).collect(),
-            init: LoraInit::Kaiming,
-            rslora: false,
-        };
+        let config = LoraConfig::all_linear(8, 16.0);
         model.attach_lora(&config, 0).unwrap();
         shape = Some(LoraShape::of(&model.config, &config));
     }

@@ -524,17 +524,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
     let config = policy.config.clone();
     let reference: Box<dyn PolicyModel> = match b.lora_rank {
         Some(rank) => {
-            let lora = oxrl_models::LoraConfig {
-                rank,
-                alpha: 2.0 * rank as f64,
-                dropout: 0.0,
-                targets: oxrl_models::LORA_TARGETS
-                    .iter()
-                    .map(|t| t.to_string())
-                    .collect(),
-                init: oxrl_models::LoraInit::Kaiming,
-                rslora: false,
-            };
+            let lora = oxrl_models::LoraConfig::all_linear(rank, 2.0 * rank as f64);
             policy.attach_lora(&lora, 0)?;
             let base = policy.detached();
             base.set_adapters_enabled(false);

@@ -1,7 +1,7 @@
 //! `oxrl generate`: sample continuations with the batched KV-cache engine.
 
 use crate::input::{prompt_with_images, read_jsonl, ChatOptions};
-use crate::load::{load, DTypeArg};
+use crate::load::{load, DTypeArg, ModelArgs};
 use crate::output::{say, write_jsonl};
 use anyhow::{bail, Context, Result};
 use oxrl_models::DeviceSpec;
@@ -13,13 +13,8 @@ use std::path::{Path, PathBuf};
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["prompt", "input"])))]
 pub struct GenerateArgs {
-    /// Model directory or Hugging Face hub id.
-    #[arg(long)]
-    model: String,
-    /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to
-    /// apply to the model.
-    #[arg(long)]
-    adapter: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// One prompt; the completions are printed to the terminal.
     #[arg(long)]
     prompt: Option<String>,
@@ -75,12 +70,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         Some(path) => Some(read_jsonl(path)?),
         None => None,
     };
-    let loaded = load(
-        &args.model,
-        args.adapter.as_deref(),
-        args.dtype,
-        args.device,
-    )?;
+    let loaded = load(&args.model, args.dtype, args.device)?;
     let tok = loaded.tokenizer.as_deref();
     let chat = ChatOptions {
         enable_thinking: args.enable_thinking,
@@ -159,7 +149,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     let results = engine
         .generate_with_images(&prompts, &images, &params)
-        .with_context(|| format!("generating with {}", args.model))?;
+        .with_context(|| format!("generating with {}", args.model.model))?;
     if args.prompt.is_some() && args.output.is_none() {
         for (j, c) in results[0].iter().enumerate() {
             if args.n > 1 {

@@ -6,7 +6,7 @@ use candle_core::DType;
 use oxrl_models::{
     eos_token_ids, hub::resolve_model, load_policy, DeviceSpec, PolicyModel, Tokenizer,
 };
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Compute dtype of the model's forward pass (stored weights are converted on load).
@@ -33,14 +33,22 @@ pub struct Loaded {
     pub eos_token_ids: Vec<u32>,
 }
 
-/// Loads the model `reference` names, with the PEFT LoRA adapter in `adapter` applied (not
-/// merged: the adapter's product runs beside each frozen weight's).
-pub fn load(
-    reference: &str,
-    adapter: Option<&Path>,
-    dtype: DTypeArg,
-    device: DeviceSpec,
-) -> Result<Loaded> {
+/// The model a command runs: `--model`, and `--adapter` on top of it.
+#[derive(clap::Args)]
+pub struct ModelArgs {
+    /// Model directory or Hugging Face hub id.
+    #[arg(long)]
+    pub model: String,
+    /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to
+    /// apply to the model, unmerged.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+}
+
+/// Loads the model `args` names, with its PEFT LoRA adapter (if any) applied unmerged: the
+/// adapter's product runs beside each frozen weight's.
+pub fn load(args: &ModelArgs, dtype: DTypeArg, device: DeviceSpec) -> Result<Loaded> {
+    let (reference, adapter) = (&args.model, args.adapter.as_deref());
     let dir = resolve_model(reference)?;
     let device = device.open()?;
     let mut model = load_policy(&dir, dtype.dtype(), &device)

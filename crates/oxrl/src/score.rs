@@ -2,7 +2,7 @@
 //! forward the trainer uses.
 
 use crate::input::{prompt_with_images, read_jsonl, response_ids, ChatOptions};
-use crate::load::{load, DTypeArg};
+use crate::load::{load, DTypeArg, ModelArgs};
 use crate::output::write_jsonl;
 use anyhow::{anyhow, bail, Context, Result};
 use oxrl_models::DeviceSpec;
@@ -12,13 +12,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct ScoreArgs {
-    /// Model directory or Hugging Face hub id.
-    #[arg(long)]
-    model: String,
-    /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to
-    /// apply to the model.
-    #[arg(long)]
-    adapter: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// JSONL: `prompt_ids` | `prompt` | `messages`, `response_ids` | `response`, optional
     /// `temperature`, optional `images` (paths relative to this file, or data URLs).
     #[arg(long)]
@@ -38,12 +33,7 @@ pub struct ScoreArgs {
 
 pub fn run(args: ScoreArgs) -> Result<()> {
     let lines = read_jsonl(&args.input)?;
-    let loaded = load(
-        &args.model,
-        args.adapter.as_deref(),
-        args.dtype,
-        args.device,
-    )?;
+    let loaded = load(&args.model, args.dtype, args.device)?;
     let tok = loaded.tokenizer.as_deref();
     let chat = ChatOptions {
         enable_thinking: args.enable_thinking,
@@ -99,7 +89,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
              hold NaN or infinite values, or overflow in {:?}",
             args.input.display(),
             lines[i].number,
-            args.model,
+            args.model.model,
             args.dtype
         );
     }

@@ -79,6 +79,18 @@ pub struct LoraConfig {
 }
 
 impl LoraConfig {
+    /// Rank `rank` on all seven projections (`"all-linear"`), PEFT's Kaiming init, no dropout.
+    pub fn all_linear(rank: usize, alpha: f64) -> Self {
+        Self {
+            rank,
+            alpha,
+            dropout: 0.0,
+            targets: LORA_TARGETS.iter().map(|t| t.to_string()).collect(),
+            init: LoraInit::Kaiming,
+            rslora: false,
+        }
+    }
+
     /// `s`: `α/r`, or `α/√r` with rsLoRA.
     pub fn scale(&self) -> f64 {
         let r = self.rank as f64;

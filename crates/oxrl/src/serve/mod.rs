@@ -11,7 +11,7 @@ mod openai;
 mod scheduler;
 mod token_route;
 
-use crate::load::{load, DTypeArg};
+use crate::load::{load, DTypeArg, ModelArgs};
 use crate::output::say;
 use anyhow::{Context, Result};
 use http::{read_json, respond_json, respond_text, ApiError, EventStream};
@@ -29,12 +29,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// Model directory or Hugging Face hub id.
-    #[arg(long)]
-    model: String,
-    /// A PEFT LoRA adapter directory to apply to the model (unmerged).
-    #[arg(long)]
-    adapter: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -81,12 +77,7 @@ struct Server {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    let loaded = load(
-        &args.model,
-        args.adapter.as_deref(),
-        args.dtype,
-        args.device,
-    )?;
+    let loaded = load(&args.model, args.dtype, args.device)?;
     let media_dir = match &args.allowed_media_dir {
         Some(d) => Some(
             d.canonicalize()
@@ -108,7 +99,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .to_ip()
         .map_or(address.clone(), |a| a.to_string());
     let server = Arc::new(Server {
-        name: args.served_model_name.unwrap_or(args.model.clone()),
+        name: args.served_model_name.unwrap_or(args.model.model.clone()),
         scheduler,
         tokenizer: loaded.tokenizer,
         context,
