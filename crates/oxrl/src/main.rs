@@ -93,6 +93,22 @@ fn stop_on_signals() -> anyhow::Result<Interrupt> {
     Ok(interrupt)
 }
 
+/// An error and its causes on one line, each cause once: an error whose message already ends
+/// with its source's (`path: No such file or directory`) does not repeat it.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain().map(|c| c.to_string()) {
+        if line.ends_with(&cause) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&cause);
+    }
+    line
+}
+
 /// The exit status a closed stdout gets, as if `SIGPIPE` had ended the process.
 const BROKEN_PIPE_STATUS: u8 = 128 + 13;
 
@@ -115,8 +131,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) if output::is_broken_pipe(&e) => ExitCode::from(BROKEN_PIPE_STATUS),
         Err(e) => {
-            let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
-            let _ = writeln!(std::io::stderr(), "error: {}", chain.join(": "));
+            let _ = writeln!(std::io::stderr(), "error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }

@@ -209,11 +209,48 @@ fn every_command_turns_bad_input_into_one_error_line() {
         .map(|a| a.to_string())
         .collect()
     };
+    let with_adapter = |adapter: &Path| -> Vec<String> {
+        let mut args = score(&good, &ids);
+        args.extend(["--adapter".to_string(), s(adapter)]);
+        args
+    };
     let mut cases = vec![
         case(
             "score: missing input",
             &score(&good, &absent),
             &["absent.jsonl"],
+        ),
+        case(
+            "score: missing adapter",
+            &with_adapter(&dir.join("no-adapter")),
+            &["no-adapter/adapter_config.json"],
+        ),
+        case(
+            "score: an adapter of another kind",
+            &with_adapter(&{
+                let adapter = dir.join("ia3-adapter");
+                std::fs::create_dir_all(&adapter).unwrap();
+                std::fs::write(
+                    adapter.join("adapter_config.json"),
+                    "{\"peft_type\": \"IA3\", \"r\": 4}",
+                )
+                .unwrap();
+                adapter
+            }),
+            &["adapter_config.json", "peft_type", "LORA"],
+        ),
+        case(
+            "export: an adapter without --merge",
+            &[
+                "export",
+                "--model",
+                &s(&good),
+                "--adapter",
+                &s(&dir.join("no-adapter")),
+                "--output",
+                &s(&run),
+            ],
+            &["--merge"],
         ),
         case(
             "score: a directory as input",
@@ -521,6 +558,9 @@ fn every_command_turns_bad_input_into_one_error_line() {
         let clap_usage = err.starts_with("error: ") && r.status.code() == Some(2);
         if !last.starts_with("error: ") && !clap_usage {
             wrong.push("no `error:` line at the end".into());
+        }
+        if last.matches("(os error").count() > 1 {
+            wrong.push("repeats a cause".into());
         }
         for want in &c.expect {
             if !err.contains(want) {
