@@ -266,11 +266,15 @@ impl Drop for VllmProcess {
     /// SIGTERM to the server's process group, then SIGKILL to what is left of it after 10 s:
     /// the engine-core and worker processes catch SIGTERM and, once the API server is gone,
     /// can linger as orphans holding ~3 GB and pinned OpenMP threads for the rest of the run.
+    ///
+    /// The group goes after `--`: procps-ng 4.0.2's `kill -TERM -125` reads `-125` as options
+    /// and signals *every* process the caller may signal (seen: a server whose group id started
+    /// with 1 ended the whole test run, CI included; `kill -TERM -- -125` signals the group).
     fn drop(&mut self) {
         let group = format!("-{}", self.child.id());
         let signal = |sig: &str| {
             std::process::Command::new("kill")
-                .args([sig, &group])
+                .args([sig, "--", &group])
                 .stderr(std::process::Stdio::null())
                 .status()
                 .is_ok_and(|s| s.success())
@@ -278,7 +282,7 @@ impl Drop for VllmProcess {
         signal("-TERM");
         let _ = self.child.wait();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        // `kill -0` succeeds while any process of the group is alive.
+        // Signal 0 reaches the group while any of its processes is alive.
         while signal("-0") && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
