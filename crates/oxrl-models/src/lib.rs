@@ -17,6 +17,7 @@ mod ops;
 pub mod qwen3;
 pub mod registry;
 pub mod tokenizer;
+mod tower_checkpoints;
 pub mod vision;
 mod weights;
 

@@ -205,7 +205,7 @@ impl PatchMerger {
         }
     }
 
-    fn forward(&self, x: &Tensor, merged: usize) -> candle_core::Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor, merged: usize) -> candle_core::Result<Tensor> {
         let rows = x.dim(0)? / merged;
         let x = if self.postshuffle_norm {
             layer_norm(&x.reshape((rows, ()))?, &self.norm_weight, &self.norm_bias)?
@@ -311,6 +311,17 @@ pub struct VisionOutput {
     pub embeds: Tensor,
     /// One `[Σ t·h·w/m², out_hidden]` per DeepStack tap, in `deepstack_visual_indexes` order.
     pub deepstack: Vec<Tensor>,
+}
+
+/// The tower's first block input and the grids' rotary tables and attention segments.
+pub(crate) struct Stem {
+    /// Patch embeddings plus resampled positions `[Σ t·h·w, Dv]`.
+    pub x: Tensor,
+    /// 2-D rotary tables `[Σ t·h·w, head_dim]` (f32).
+    pub cos: Tensor,
+    pub sin: Tensor,
+    /// Rows of each image (per temporal slice): attention stays inside one.
+    pub segments: Vec<usize>,
 }
 
 pub struct VisionTower {
@@ -469,6 +480,35 @@ impl VisionTower {
 
     /// Runs the tower over `pixel_values` `[Σ t·h·w, C·T·P·P]` of images with `grids` (t, h, w).
     pub fn forward(&self, pixel_values: &Tensor, grids: &[[usize; 3]]) -> Result<VisionOutput> {
+        let m = self.config.spatial_merge_size;
+        let stem = self.stem(pixel_values, grids)?;
+        let mut x = stem.x.clone();
+        let mut deepstack = Vec::with_capacity(self.deepstack_mergers.len());
+        for (l, block) in self.blocks.iter().enumerate() {
+            x = self.block(block, &x, &stem)?;
+            if let Some(merger) = self.deepstack_merger_after(l) {
+                deepstack.push(merger.forward(&x, m * m)?);
+            }
+        }
+        Ok(VisionOutput {
+            embeds: self.merger.forward(&x, m * m)?,
+            deepstack,
+        })
+    }
+
+    /// The DeepStack merger that taps block `l`'s output, if one does.
+    pub(crate) fn deepstack_merger_after(&self, l: usize) -> Option<&PatchMerger> {
+        let k = self
+            .config
+            .deepstack_visual_indexes
+            .iter()
+            .position(|&i| i == l)?;
+        self.deepstack_mergers.get(k)
+    }
+
+    /// Checks the pixel rows against the grids, then embeds the patches: the first block's
+    /// input, with what every block needs of the grids.
+    pub(crate) fn stem(&self, pixel_values: &Tensor, grids: &[[usize; 3]]) -> Result<Stem> {
         let c = &self.config;
         let m = c.spatial_merge_size;
         let total: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
@@ -490,34 +530,29 @@ impl VisionTower {
             &kernel,
             &self.patch_bias,
         )?;
-        let mut x = (x + self.position_embeddings(grids)?)?;
+        let x = (x + self.position_embeddings(grids)?)?;
         let (cos, sin) = self.rotary_tables(grids)?;
         let segments: Vec<usize> = grids
             .iter()
             .flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t))
             .collect();
-        let mut deepstack = Vec::with_capacity(self.deepstack_mergers.len());
-        for (l, block) in self.blocks.iter().enumerate() {
-            x = self.block(block, &x, &cos, &sin, &segments)?;
-            if let Some(k) = c.deepstack_visual_indexes.iter().position(|&i| i == l) {
-                deepstack.push(self.deepstack_mergers[k].forward(&x, m * m)?);
-            }
-        }
-        Ok(VisionOutput {
-            embeds: self.merger.forward(&x, m * m)?,
-            deepstack,
+        Ok(Stem {
+            x,
+            cos,
+            sin,
+            segments,
         })
     }
 
-    fn block(
+    /// One `Qwen3VLVisionBlock`: attention inside each image, then the MLP, both residual.
+    pub(crate) fn block(
         &self,
         b: &VisionBlock,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        segments: &[usize],
+        stem: &Stem,
     ) -> candle_core::Result<Tensor> {
         let c = &self.config;
+        let (cos, sin, segments) = (&stem.cos, &stem.sin, &stem.segments);
         let (n, heads, hd) = (x.dim(0)?, c.num_heads, c.head_dim());
         let xn = layer_norm(x, &b.norm1_weight, &b.norm1_bias)?;
         let qkv = affine(&xn, &b.qkv_weight, &b.qkv_bias)?.reshape((n, 3, heads, hd))?;

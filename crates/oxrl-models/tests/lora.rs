@@ -245,6 +245,45 @@ fn only_adapters_train_and_the_memory_savers_keep_their_gradients() {
     common::assert_memory_savers_match(adapted, &requests());
 }
 
+fn adapted_with_dropout() -> Qwen3 {
+    let mut model = tiny();
+    let lora = LoraConfig {
+        dropout: 0.3,
+        ..config(&LORA_TARGETS)
+    };
+    model.attach_lora(&lora, 7).unwrap();
+    perturb(&mut model);
+    model
+}
+
+/// LoRA dropout acts in the training forward only, draws new masks per forward, and the
+/// checkpointed backward replays the forward's masks (its gradients stay bit-identical).
+#[test]
+fn dropout_acts_only_while_training_and_checkpointing_replays_its_masks() {
+    let mut model = adapted_with_dropout();
+    assert_eq!(
+        scores(&model),
+        scores(&adapted()),
+        "scoring is eval mode: no dropout"
+    );
+    model.make_trainable().unwrap();
+    let train = |m: &Qwen3| {
+        let out = m
+            .response_logprobs(&requests(), oxrl_models::Entropy::None)
+            .unwrap();
+        out.logprobs.to_vec1::<f32>().unwrap()
+    };
+    let (first, second) = (train(&model), train(&model));
+    let eval: Vec<f32> = scores(&model).concat();
+    let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).any(|(x, y)| (x - y).abs() > 1e-4);
+    assert!(differ(&first, &eval), "no dropout in the training forward");
+    assert!(
+        differ(&first, &second),
+        "the second forward reused the masks"
+    );
+    common::assert_memory_savers_match(adapted_with_dropout, &requests());
+}
+
 #[test]
 fn a_vision_language_model_adapts_its_language_model_under_pefts_names() {
     let mut model = Qwen3::load(&fixture("qwen3-vl-tiny"), DType::F32, &Device::Cpu).unwrap();

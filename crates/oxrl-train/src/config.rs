@@ -234,10 +234,10 @@ fn lora(given: &Given) -> Result<Option<LoraConfig>, ConfigError> {
         )?,
         rslora: given.value("model.lora.use_rslora"),
     };
-    if config.dropout > 0.0 {
+    if config.dropout >= 1.0 {
         return Err(given.bad(
             "model.lora.dropout",
-            "only 0 is supported so far (dropout on the adapters' input is not implemented)",
+            "must be below 1 (1 would drop every input)",
         ));
     }
     if let Err(e) = config.validate() {

@@ -183,7 +183,8 @@ fn a_lora_run_trains_adapters_saves_them_as_peft_does_and_resumes_exactly() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `oxrl sft` takes the same `[model.lora]`: its checkpoints are adapters too.
+/// `oxrl sft` takes the same `[model.lora]` (here with dropout): its checkpoints are adapters
+/// too, their `lora_dropout` recorded for PEFT.
 #[test]
 fn sft_trains_lora_adapters() {
     let dir = temp_dir("lora-sft");
@@ -195,7 +196,7 @@ fn sft_trains_lora_adapters() {
         .replace("data/sft.jsonl", s(&example.join("data/sft.jsonl")))
         .replace("max_steps = 300", "max_steps = 2")
         .replace("batch_size = 64", "batch_size = 8");
-    std::fs::write(&config, format!("{text}\n{LORA}")).unwrap();
+    std::fs::write(&config, format!("{text}\n{LORA}dropout = 0.1\n")).unwrap();
     let out = dir.join("out");
     ok(&oxrl(&[
         "sft",
@@ -211,6 +212,11 @@ fn sft_trains_lora_adapters() {
         .iter()
         .filter(|(n, _)| n.ends_with("lora_B.weight"))
         .all(|(_, v)| v.iter().any(|x| *x != 0.0)));
+    let written: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(checkpoint.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(written["lora_dropout"], 0.1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -224,7 +230,7 @@ fn lora_settings_are_checked_with_file_line_and_key() {
             "qkv",
         ),
         (
-            "[model.lora]\nrank = 4\ndropout = 0.1\n",
+            "[model.lora]\nrank = 4\ndropout = 1.0\n",
             "model.lora.dropout",
         ),
         ("[model.lora]\nalpha = 8.0\n", "without [model.lora] rank"),

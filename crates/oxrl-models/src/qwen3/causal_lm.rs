@@ -243,7 +243,7 @@ impl Qwen3 {
                 let imgs: Vec<&ProcessedImage> = images.iter().map(|i| &**i).collect();
                 let mut locate = prompt.to_vec();
                 locate.resize(ids.len(), NOT_PROMPT);
-                let visual = VisualInjection::new(v, &locate, &imgs, &self.device)?;
+                let visual = VisualInjection::new(v, &locate, &imgs, &self.device, false)?;
                 self.forward_hidden_with(&input, Some(&positions), Some(&visual))?
             }
             _ => self.forward_hidden(&input)?,

@@ -7,18 +7,20 @@
 //! the last layer's output, so `loss.backward()` stops there; [`LayerCheckpoints::backward`]
 //! takes it from there. Qwen3-VL's image embeddings and DeepStack features enter the layers as
 //! leaves too; their gradients are gathered over every layer and sent through the vision tower
-//! in one backward at the end. (The tower itself keeps its activations: it runs once per
-//! distinct image, a small part of an RL batch.)
+//! at the end, whose blocks are checkpointed the same way ([`crate::tower_checkpoints`]).
 //!
 //! This loop is also where data parallelism will reduce-scatter each layer's gradients as soon
 //! as they are complete ([`LayerCheckpoints::backward_with`]).
 
+use super::lora_dropout::DropoutPass;
 use super::model::{Frame, Qwen3Model};
 use super::visual::VisualInjection;
 use crate::config::Qwen3Config;
+use crate::tower_checkpoints::TowerCheckpoints;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, TensorId, Var};
 use std::collections::HashSet;
+use std::sync::Arc;
 
 /// One batch's checkpointed forward, ready for its backward.
 pub struct LayerCheckpoints {
@@ -34,6 +36,8 @@ pub struct LayerCheckpoints {
     visual: Option<CheckpointedVisual>,
     /// Every weight's id: only their gradients are kept from the recomputations.
     weights: HashSet<TensorId>,
+    /// The forward's LoRA dropout pass, applied again while the layers are recomputed.
+    pub(crate) dropout: Option<DropoutPass>,
 }
 
 /// The images of a checkpointed batch: the layers see leaf copies of the tower's outputs; the
@@ -42,6 +46,8 @@ struct CheckpointedVisual {
     leaves: VisualInjection,
     embeds: Tensor,
     deepstack: Vec<Tensor>,
+    /// The checkpointed tower the outputs grow from (their graph stops at its output leaves).
+    tower: Option<Arc<TowerCheckpoints>>,
 }
 
 impl CheckpointedVisual {
@@ -57,9 +63,11 @@ impl CheckpointedVisual {
                     .iter()
                     .map(leaf)
                     .collect::<Result<_, _>>()?,
+                tower: None,
             },
             embeds: visual.embeds.clone(),
             deepstack: visual.deepstack.clone(),
+            tower: visual.tower.clone(),
         })
     }
 
@@ -101,12 +109,19 @@ impl Qwen3Model {
             top,
             visual,
             weights,
+            dropout: None,
         };
         Ok((hidden, checkpoints))
     }
 }
 
 impl LayerCheckpoints {
+    /// How many vision-tower blocks the backward recomputes (0 for a batch without images).
+    pub fn tower_blocks(&self) -> usize {
+        let tower = self.visual.as_ref().and_then(|v| v.tower.as_ref());
+        tower.map_or(0, |t| t.blocks())
+    }
+
     /// Continues a backward that `loss.backward()` began at the top of the graph: recomputes
     /// the layers from the last to the first, then the embeddings and the vision tower, adding
     /// every weight's gradient to `grads`.
@@ -132,6 +147,7 @@ impl LayerCheckpoints {
             .flat_map(|v| v.pairs().map(|(leaf, _)| leaf.id()))
             .collect();
         let keep = |id: &TensorId| self.weights.contains(id) || leaf_ids.contains(id);
+        let _masks_on = self.dropout.as_ref().map(DropoutPass::apply);
         for l in (0..self.inputs.len()).rev() {
             let input = Var::from_tensor(&self.inputs[l])?;
             let out = self
@@ -159,7 +175,14 @@ impl LayerCheckpoints {
                 }
             }
             if let Some(s) = through_tower {
-                merge_into(grads, s.backward()?, |id| self.weights.contains(id))?;
+                let outputs: HashSet<TensorId> =
+                    v.tower.iter().flat_map(|t| t.output_ids()).collect();
+                merge_into(grads, s.backward()?, |id| {
+                    self.weights.contains(id) || outputs.contains(id)
+                })?;
+            }
+            if let Some(tower) = &v.tower {
+                tower.backward(grads, |id| self.weights.contains(id))?;
             }
         }
         Ok(())

@@ -18,6 +18,7 @@
 //! trained. An adapter with vision-tower modules is refused by name when loaded.
 
 use super::config::text_prefix;
+use super::lora_dropout::{dropout, AdapterSwitch, DropoutPass};
 use super::Qwen3;
 use crate::checkpoint::{save_safetensors_synced, write_dir_atomically, write_synced};
 use crate::error::{ModelError, Result};
@@ -26,7 +27,7 @@ use candle_core::{DType, Tensor, Var};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The projections LoRA can adapt: attention's four, then the MLP's three (PEFT's
@@ -143,8 +144,12 @@ pub struct Adapter {
     /// `lora_B.weight`, `[out, r]`.
     pub b: Tensor,
     pub scale: f64,
-    /// Shared by all of a model's adapters: off, the model is its base.
-    enabled: Arc<AtomicBool>,
+    /// PEFT's `lora_dropout` on the adapter's input, inside a training pass only.
+    dropout: f64,
+    /// The adapter's place among the model's projections: its dropout mask stream.
+    index: u64,
+    /// Shared by all of a model handle's adapters: off, the model is its base.
+    switch: Arc<AdapterSwitch>,
 }
 
 impl Adapter {
@@ -169,21 +174,27 @@ impl Adapter {
             a: f(&self.a),
             b: f(&self.b),
             scale: self.scale,
-            enabled: self.enabled.clone(),
+            dropout: self.dropout,
+            index: self.index,
+            switch: self.switch.clone(),
         }
     }
 }
 
-/// `x·Wᵀ`, plus the adapter's `s·(x·Aᵀ)·Bᵀ` when there is one and adapters are on.
+/// `x·Wᵀ`, plus the adapter's `s·(x·Aᵀ)·Bᵀ` when there is one and adapters are on (its input
+/// through dropout inside a training pass).
 pub(crate) fn project(
     x: &Tensor,
     w: &Tensor,
     adapter: Option<&Adapter>,
 ) -> candle_core::Result<Tensor> {
     let y = linear(x, w)?;
-    match adapter {
-        Some(a) if a.enabled.load(Ordering::Relaxed) => y + a.delta(x)?,
-        _ => Ok(y),
+    let Some(a) = adapter.filter(|a| a.switch.enabled()) else {
+        return Ok(y);
+    };
+    match a.switch.dropout_pass().filter(|_| a.dropout > 0.0) {
+        Some(pass) => y + a.delta(&dropout(x, a.dropout, pass, a.index)?)?,
+        None => y + a.delta(x)?,
     }
 }
 
@@ -199,7 +210,22 @@ pub(crate) fn map_adapters<const N: usize>(
 #[derive(Clone)]
 pub struct LoraState {
     pub config: LoraConfig,
-    enabled: Arc<AtomicBool>,
+    switch: Arc<AdapterSwitch>,
+    /// Seeds the dropout masks (the adapters' init seed; 0 for a loaded adapter).
+    dropout_seed: u64,
+    /// Training passes begun so far (each draws new masks).
+    passes: Arc<AtomicU64>,
+}
+
+impl LoraState {
+    fn new(config: LoraConfig, switch: Arc<AdapterSwitch>, dropout_seed: u64) -> Self {
+        Self {
+            config,
+            switch,
+            dropout_seed,
+            passes: Arc::new(AtomicU64::new(0)),
+        }
+    }
 }
 
 /// One adapted (or adaptable) projection of the decoder, for walking them in order.
@@ -262,8 +288,17 @@ impl Qwen3 {
     /// Switches every adapter on or off (off: the base model's outputs, from the same weights).
     pub fn set_adapters_enabled(&self, on: bool) {
         if let Some(l) = &self.lora {
-            l.enabled.store(on, Ordering::Relaxed);
+            l.switch.set_enabled(on);
         }
+    }
+
+    /// A new training pass with fresh dropout masks, when the adapters have dropout: the
+    /// training forward runs under [`DropoutPass::apply`] (and so does a checkpointed
+    /// backward's recomputation, replaying its masks).
+    pub fn begin_dropout_pass(&self) -> Option<DropoutPass> {
+        let l = self.lora.as_ref().filter(|l| l.config.dropout > 0.0)?;
+        let pass = l.passes.fetch_add(1, Ordering::Relaxed) + 1;
+        Some(DropoutPass::new(l.switch.clone(), l.dropout_seed, pass))
     }
 
     /// Adds fresh adapters to the targeted projections: `A` drawn as `config.init` says from
@@ -278,11 +313,11 @@ impl Qwen3 {
                 "the model already has LoRA adapters".into(),
             ));
         }
-        let enabled = Arc::new(AtomicBool::new(true));
+        let switch = AdapterSwitch::new(true);
         let (dtype, device, scale, rank) =
             (self.dtype, self.device.clone(), config.scale(), config.rank);
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        for p in self.projections() {
+        for (index, p) in self.projections().into_iter().enumerate() {
             if !config.targets(p.kind) {
                 continue;
             }
@@ -309,13 +344,12 @@ impl Qwen3 {
                 a: Tensor::from_vec(a, (rank, inputs), &device)?.to_dtype(dtype)?,
                 b: Tensor::zeros((out, rank), dtype, &device)?,
                 scale,
-                enabled: enabled.clone(),
+                dropout: config.dropout,
+                index: index as u64,
+                switch: switch.clone(),
             });
         }
-        self.lora = Some(LoraState {
-            config: config.clone(),
-            enabled,
-        });
+        self.lora = Some(LoraState::new(config.clone(), switch, seed));
         Ok(())
     }
 
@@ -362,7 +396,7 @@ impl Qwen3 {
         let adapters: HashMap<String, &Adapter> = self
             .adapters()
             .into_iter()
-            .filter(|(_, a)| a.enabled.load(Ordering::Relaxed))
+            .filter(|(_, a)| a.switch.enabled())
             .collect();
         self.named_parameters()
             .into_iter()
@@ -394,11 +428,11 @@ impl Qwen3 {
     /// here leaves another handle on the same tensors (the trainer's, the engine's) as it is.
     pub(crate) fn own_adapter_switch(&mut self) {
         let Some(lora) = &mut self.lora else { return };
-        let enabled = Arc::new(AtomicBool::new(lora.enabled.load(Ordering::Relaxed)));
-        lora.enabled = enabled.clone();
+        let switch = AdapterSwitch::new(lora.switch.enabled());
+        lora.switch = switch.clone();
         for p in self.projections() {
             if let Some(a) = p.adapter {
-                a.enabled = enabled.clone();
+                a.switch = switch.clone();
             }
         }
     }
@@ -464,9 +498,9 @@ impl Qwen3 {
             ));
         }
         let (dtype, rank, scale) = (self.dtype, config.rank, config.scale());
-        let enabled = Arc::new(AtomicBool::new(true));
+        let switch = AdapterSwitch::new(true);
         let mut adapters = Vec::new();
-        for p in self.projections() {
+        for (index, p) in self.projections().into_iter().enumerate() {
             let a_name = format!("{}.lora_A.weight", p.path);
             let b_name = format!("{}.lora_B.weight", p.path);
             let (a, b) = match (tensors.remove(&a_name), tensors.remove(&b_name)) {
@@ -488,7 +522,7 @@ impl Qwen3 {
                     });
                 }
             }
-            adapters.push((p.adapter, a.to_dtype(dtype)?, b.to_dtype(dtype)?));
+            adapters.push((p.adapter, index, a.to_dtype(dtype)?, b.to_dtype(dtype)?));
         }
         if let Some(extra) = tensors.keys().min() {
             return Err(ModelError::ConfigKey {
@@ -506,15 +540,17 @@ impl Qwen3 {
                 weights_path.display()
             )));
         }
-        for (slot, a, b) in adapters {
+        for (slot, index, a, b) in adapters {
             *slot = Some(Adapter {
                 a,
                 b,
                 scale,
-                enabled: enabled.clone(),
+                dropout: config.dropout,
+                index: index as u64,
+                switch: switch.clone(),
             });
         }
-        self.lora = Some(LoraState { config, enabled });
+        self.lora = Some(LoraState::new(config, switch, 0));
         Ok(())
     }
 
@@ -619,4 +655,71 @@ fn peft_config(v: &Value, path: &Path) -> Result<LoraConfig> {
         init,
         rslora: flag("use_rslora"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::qwen3::lora_dropout::dropout_mask;
+    use candle_core::Device;
+
+    /// `x·Wᵀ + s·((x ⊙ m)·Aᵀ)·Bᵀ`, written out element by element.
+    fn by_hand(x: &[f32], w: &[f32], a: &[f32], b: &[f32], m: &[f32], s: f32) -> Vec<f32> {
+        let (n, d_in, d_out, r) = (2, 3, 4, 2);
+        let mut y = vec![0f32; n * d_out];
+        for i in 0..n {
+            let xd: Vec<f32> = (0..d_in)
+                .map(|k| x[i * d_in + k] * m[i * d_in + k])
+                .collect();
+            let h: Vec<f32> = (0..r)
+                .map(|j| s * (0..d_in).map(|k| xd[k] * a[j * d_in + k]).sum::<f32>())
+                .collect();
+            for o in 0..d_out {
+                let base: f32 = (0..d_in).map(|k| x[i * d_in + k] * w[o * d_in + k]).sum();
+                let delta: f32 = (0..r).map(|j| h[j] * b[o * r + j]).sum();
+                y[i * d_out + o] = base + delta;
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn an_adapter_sees_its_input_through_dropout_only_inside_a_training_pass() {
+        let dev = Device::Cpu;
+        let vals = |n: usize, k: f32| -> Vec<f32> {
+            (0..n).map(|i| ((i * 7 % 5) as f32 - 2.0) * k).collect()
+        };
+        let (x, w, a, b) = (vals(6, 0.5), vals(12, 0.25), vals(6, 0.3), vals(8, 0.2));
+        let t = |v: &[f32], shape: (usize, usize)| Tensor::from_slice(v, shape, &dev).unwrap();
+        let switch = AdapterSwitch::new(true);
+        let adapter = Adapter {
+            a: t(&a, (2, 3)),
+            b: t(&b, (4, 2)),
+            scale: 2.0,
+            dropout: 0.5,
+            index: 9,
+            switch: switch.clone(),
+        };
+        let project = || {
+            project(&t(&x, (2, 3)), &t(&w, (4, 3)), Some(&adapter))
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let close =
+            |got: &[f32], want: &[f32]| got.iter().zip(want).all(|(g, w)| (g - w).abs() <= 1e-5);
+        let eval = project();
+        assert!(close(&eval, &by_hand(&x, &w, &a, &b, &[1.0; 6], 2.0)));
+        let pass = DropoutPass::new(switch, 3, 1);
+        let trained = {
+            let _on = pass.apply();
+            project()
+        };
+        let mask = dropout_mask(0.5, pass.key, 9, 6);
+        assert!(mask.contains(&0.0) && mask.contains(&2.0), "{mask:?}");
+        assert!(close(&trained, &by_hand(&x, &w, &a, &b, &mask, 2.0)));
+        assert_eq!(project(), eval, "the mask outlived its pass");
+    }
 }

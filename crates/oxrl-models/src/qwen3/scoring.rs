@@ -248,7 +248,8 @@ impl Qwen3 {
                     .iter()
                     .flat_map(|r| r.images.iter().map(|i| &**i))
                     .collect();
-                let visual = VisualInjection::new(vision, &locate, &images, &self.device)?;
+                let visual =
+                    VisualInjection::new(vision, &locate, &images, &self.device, checkpoint)?;
                 let input = Tensor::from_vec(ids, (batch.len(), longest), &self.device)?;
                 self.training_hidden(&input, Some(&positions), Some(&visual), checkpoint)?
             }
@@ -313,12 +314,19 @@ impl Qwen3 {
             .map(|r| r.prompt_ids.len() + r.response_ids.len())
             .max()
             .unwrap_or(0);
+        // LoRA dropout draws this forward's masks (a checkpointed backward replays them).
+        let dropout = self.begin_dropout_pass();
+        let masks_on = dropout.as_ref().map(|d| d.apply());
         let ResponseRows {
             rows,
             targets,
             temps,
-            checkpoints,
+            mut checkpoints,
         } = self.response_hidden(batch, longest, self.gradient_checkpointing)?;
+        drop(masks_on);
+        if let Some(c) = &mut checkpoints {
+            c.dropout = dropout;
+        }
         let lens = batch.iter().map(|r| r.response_ids.len()).collect();
         let chunk = (self.logit_chunk_elements / self.config.vocab_size).max(1);
         if targets.len() > chunk {

@@ -4,8 +4,10 @@
 use crate::error::{ModelError, Result};
 use crate::image::{ImageProcessorConfig, ProcessedImage};
 use crate::mrope::VisionTokens;
-use crate::vision::VisionTower;
+use crate::tower_checkpoints::TowerCheckpoints;
+use crate::vision::{VisionOutput, VisionTower};
 use candle_core::{Device, Tensor};
+use std::sync::Arc;
 
 /// The vision half of a Qwen3-VL checkpoint: the tower, the token ids it fills, and the image
 /// processor settings its images are prepared with.
@@ -30,17 +32,23 @@ pub(crate) struct VisualInjection {
     pub keep: Tensor,
     pub embeds: Tensor,
     pub deepstack: Vec<Tensor>,
+    /// With gradient checkpointing, the tower's boundaries: `embeds` and `deepstack` then grow
+    /// from the tower's output leaves, whose gradients go through the recomputed blocks.
+    pub tower: Option<Arc<TowerCheckpoints>>,
 }
 
 impl VisualInjection {
     /// Runs the vision tower over `images` (in prompt order) and places the result at the image
     /// tokens of the flattened ids. Only prompt tokens carry images: callers set every other
-    /// position of `flat_ids` to [`NOT_PROMPT`], so a generated image pad stays text.
+    /// position of `flat_ids` to [`NOT_PROMPT`], so a generated image pad stays text. With
+    /// `checkpoint`, a trained tower keeps only its block boundaries (a frozen one keeps no
+    /// graph anyway).
     pub(crate) fn new(
         vision: &Vision,
         flat_ids: &[u32],
         images: &[&ProcessedImage],
         device: &Device,
+        checkpoint: bool,
     ) -> Result<Self> {
         // The n samples of a GRPO group share their prompt's images (one `Arc`): the tower runs
         // once per distinct image and its rows are gathered per use (the gather's backward
@@ -70,9 +78,18 @@ impl VisualInjection {
                 rows * dim
             )));
         }
-        let mut out = vision
-            .tower
-            .forward(&Tensor::from_vec(pixels, (rows, dim), device)?, &grids)?;
+        let pixels = Tensor::from_vec(pixels, (rows, dim), device)?;
+        let (mut out, tower) = if checkpoint && !vision.frozen {
+            let tower = vision.tower.forward_checkpointed(&pixels, &grids)?;
+            let out = tower.outputs();
+            let out = VisionOutput {
+                embeds: out.embeds.clone(),
+                deepstack: out.deepstack.clone(),
+            };
+            (out, Some(Arc::new(tower)))
+        } else {
+            (vision.tower.forward(&pixels, &grids)?, None)
+        };
         if distinct.len() < images.len() {
             let merged = |g: &[usize; 3]| vision.tokens.tokens_of(*g);
             let starts: Vec<usize> = grids
@@ -115,6 +132,7 @@ impl VisualInjection {
             keep: Tensor::from_vec(keep, (flat_ids.len(), 1), device)?,
             embeds: out.embeds,
             deepstack: out.deepstack,
+            tower,
         })
     }
 

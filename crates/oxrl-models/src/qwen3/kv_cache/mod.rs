@@ -232,7 +232,7 @@ impl Qwen3 {
                         false => locate.extend_from_slice(chunk),
                     }
                 }
-                Some(VisualInjection::new(v, &locate, &all, &self.device)?)
+                Some(VisualInjection::new(v, &locate, &all, &self.device, false)?)
             }
             _ => None,
         };
