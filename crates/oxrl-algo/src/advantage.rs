@@ -1,15 +1,17 @@
-//! Outcome advantage estimators: one scalar reward per response, an advantage per response that
-//! every one of its tokens receives. Groups are the responses sharing a prompt uid. Each
-//! estimator's formula and paper: `docs/rl-algorithms.md`, "Advantage estimators" (one section
-//! per registered name).
+//! Advantage estimators from outcome rewards (one scalar per response): an advantage per
+//! response token. The group estimators give every token of a response the same value;
+//! REINFORCE++ discounts the reward back through the response ([`crate::returns`]). Groups are
+//! the responses sharing a prompt uid. Each estimator's formula and paper:
+//! `docs/rl-algorithms.md`, "Advantage estimators" (one section per registered name).
 
+use crate::returns::{outcome_token_rewards, reinforce_plus_plus as discounted_whitened, whiten};
 use std::collections::HashMap;
 
-/// An estimator: how a batch's rewards become advantages, and the default of
+/// An estimator: how a batch's rewards become per-token advantages, and the default of
 /// `norm_adv_by_std` the config resolves for it.
 #[derive(Clone, Copy)]
 struct Estimator {
-    compute: fn(&Batch, &AdvantageConfig) -> Vec<f64>,
+    compute: fn(&Batch, &AdvantageConfig) -> Vec<Vec<f64>>,
     norm_adv_by_std: bool,
 }
 
@@ -21,8 +23,10 @@ registry! {
             "GRPO without the std: A_i = r_i − mean_g r (Dr. GRPO; norm_adv_by_std defaults to false)";
         Rloo = "rloo" => Estimator { compute: rloo, norm_adv_by_std: true },
             "leave-one-out baseline: A_i = r_i − mean_{j≠i} r_j (RLOO)";
-        ReinforceBaseline = "reinforce_baseline" => Estimator { compute: reinforce_baseline, norm_adv_by_std: true },
+        ReinforceBaseline = "reinforce_baseline" | "reinforce_plus_plus_baseline" => Estimator { compute: reinforce_baseline, norm_adv_by_std: true },
             "REINFORCE++-baseline: r_i − mean_g r, whitened over every token of the batch";
+        ReinforcePlusPlus = "reinforce_plus_plus" => Estimator { compute: reinforce_plus_plus, norm_adv_by_std: true },
+            "REINFORCE++: the γ-discounted return of each token (reward at the last token), whitened over every token of the batch";
     }
 }
 
@@ -40,6 +44,8 @@ pub struct AdvantageConfig {
     pub norm_adv_by_std: bool,
     /// ε in the GRPO denominator: 1e-6 as verl and SkyRL (TRL uses 1e-4).
     pub eps: f64,
+    /// γ, the discount of REINFORCE++'s returns (1: every token gets the whole reward).
+    pub gamma: f64,
 }
 
 impl Default for AdvantageConfig {
@@ -49,6 +55,7 @@ impl Default for AdvantageConfig {
             estimator,
             norm_adv_by_std: estimator.norm_adv_by_std_default(),
             eps: 1e-6,
+            gamma: 1.0,
         }
     }
 }
@@ -76,6 +83,15 @@ impl Batch<'_> {
         }
         adv
     }
+
+    /// One value per response, given to each of its tokens.
+    fn broadcast(&self, per_response: Vec<f64>) -> Vec<Vec<f64>> {
+        per_response
+            .into_iter()
+            .zip(self.token_counts)
+            .map(|(a, &n)| vec![a; n])
+            .collect()
+    }
 }
 
 /// Indices of the responses of each group, groups in order of first appearance.
@@ -97,14 +113,14 @@ fn mean(xs: impl Iterator<Item = f64> + Clone) -> f64 {
     xs.sum::<f64>() / n as f64
 }
 
-/// Advantages per response. `uids[i]` names the prompt of response `i` (groups need not be
-/// contiguous); `token_counts[i]` is its response length (used by batch whitening).
+/// Advantages per response token (`[i][t]`: response `i`, token `t`). `uids[i]` names the prompt
+/// of response `i` (groups need not be contiguous); `token_counts[i]` is its response length.
 pub fn compute_advantages<G: Eq + std::hash::Hash>(
     rewards: &[f64],
     uids: &[G],
     token_counts: &[usize],
     cfg: &AdvantageConfig,
-) -> Vec<f64> {
+) -> Vec<Vec<f64>> {
     let batch = Batch {
         rewards,
         groups: groups(uids),
@@ -113,54 +129,37 @@ pub fn compute_advantages<G: Eq + std::hash::Hash>(
     (cfg.estimator.implementation().compute)(&batch, cfg)
 }
 
-fn grpo(b: &Batch, cfg: &AdvantageConfig) -> Vec<f64> {
+fn grpo(b: &Batch, cfg: &AdvantageConfig) -> Vec<Vec<f64>> {
     let r = b.rewards;
-    b.per_group(|group, m, i| match cfg.norm_adv_by_std {
+    b.broadcast(b.per_group(|group, m, i| match cfg.norm_adv_by_std {
         true => {
             let var =
                 group.iter().map(|&j| (r[j] - m).powi(2)).sum::<f64>() / (group.len() - 1) as f64;
             (r[i] - m) / (var.sqrt() + cfg.eps)
         }
         false => r[i] - m,
-    })
+    }))
 }
 
 /// r_i − mean_{j≠i} r_j = (r_i − mean) · n / (n − 1).
-fn rloo(b: &Batch, _: &AdvantageConfig) -> Vec<f64> {
-    b.per_group(|group, m, i| {
+fn rloo(b: &Batch, _: &AdvantageConfig) -> Vec<Vec<f64>> {
+    b.broadcast(b.per_group(|group, m, i| {
         let n = group.len();
         (b.rewards[i] - m) * n as f64 / (n - 1) as f64
-    })
+    }))
 }
 
-fn reinforce_baseline(b: &Batch, _: &AdvantageConfig) -> Vec<f64> {
-    let mut adv = b.per_group(|_, m, i| b.rewards[i] - m);
-    whiten_over_tokens(&mut adv, b.token_counts);
+/// The group mean removed, then whitened over every token of the batch (a response counts
+/// once per token).
+fn reinforce_baseline(b: &Batch, _: &AdvantageConfig) -> Vec<Vec<f64>> {
+    let mut adv = b.broadcast(b.per_group(|_, m, i| b.rewards[i] - m));
+    whiten(&mut adv);
     adv
 }
 
-/// `(A − mean) / sqrt(var + 1e-8)` with mean and unbiased variance over every response token
-/// (verl's `masked_whiten`): a response counts once per token.
-fn whiten_over_tokens(adv: &mut [f64], token_counts: &[usize]) {
-    let n: f64 = token_counts.iter().sum::<usize>() as f64;
-    if n < 2.0 {
-        return;
-    }
-    let m = adv
-        .iter()
-        .zip(token_counts)
-        .map(|(a, &c)| a * c as f64)
-        .sum::<f64>()
-        / n;
-    let var = adv
-        .iter()
-        .zip(token_counts)
-        .map(|(a, &c)| (a - m).powi(2) * c as f64)
-        .sum::<f64>()
-        / (n - 1.0);
-    for a in adv.iter_mut() {
-        *a = (*a - m) / (var + 1e-8).sqrt();
-    }
+fn reinforce_plus_plus(b: &Batch, cfg: &AdvantageConfig) -> Vec<Vec<f64>> {
+    let token_rewards = outcome_token_rewards(b.rewards, b.token_counts);
+    discounted_whitened(&token_rewards, cfg.gamma).advantages
 }
 
 /// Fraction of groups whose rewards are all equal (their GRPO advantages are all 0).
@@ -177,10 +176,24 @@ pub fn frac_zero_std_groups<G: Eq + std::hash::Hash>(rewards: &[f64], uids: &[G]
 mod tests {
     use super::*;
 
-    fn close(a: &[f64], b: &[f64]) {
+    /// Each response's advantage, checking that all its tokens share it.
+    fn close(adv: &[Vec<f64>], b: &[f64]) {
+        close_within(adv, b, 1e-9)
+    }
+
+    /// [`close`] to `tol`: whitening divides its means by `N + 1e-8` as verl does, which moves
+    /// whitened values by ~1e-8 from the exact-mean numbers written by hand below.
+    fn close_within(adv: &[Vec<f64>], b: &[f64], tol: f64) {
+        let a: Vec<f64> = adv
+            .iter()
+            .map(|row| {
+                assert!(row.iter().all(|x| *x == row[0]), "{row:?}");
+                row[0]
+            })
+            .collect();
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(b) {
-            assert!((x - y).abs() < 1e-9, "{a:?} vs {b:?}");
+            assert!((x - y).abs() < tol, "{a:?} vs {b:?}");
         }
     }
 
@@ -247,8 +260,33 @@ mod tests {
             ..Default::default()
         };
         let adv = compute_advantages(&[2.0, 0.0], &[0, 0], &[1, 3], &cfg);
-        let s = (1.0f64 + 1e-8).sqrt();
-        close(&adv, &[1.5 / s, -0.5 / s]);
+        close_within(&adv, &[1.5, -0.5], 1e-7);
+    }
+
+    #[test]
+    fn reinforce_plus_plus_discounts_the_reward_back_through_the_response() {
+        // One response, reward 1 over 3 tokens, γ = 0.5: returns 0.25, 0.5, 1 (mean 7/12),
+        // whitened with their unbiased variance.
+        let cfg = AdvantageConfig {
+            estimator: AdvantageEstimator::ReinforcePlusPlus,
+            gamma: 0.5,
+            ..Default::default()
+        };
+        let adv = compute_advantages(&[1.0], &[0], &[3], &cfg);
+        let m = 7.0 / 12.0;
+        let var = [0.25f64, 0.5, 1.0]
+            .iter()
+            .map(|x| (x - m).powi(2))
+            .sum::<f64>()
+            / 2.0;
+        let s = 1.0 / (var + 1e-8).sqrt();
+        for (got, r) in adv[0].iter().zip([0.25, 0.5, 1.0]) {
+            assert!((got - (r - m) * s).abs() < 1e-7, "{adv:?}");
+        }
+        // γ = 1: every token carries the whole reward, as reinforce_baseline without the mean.
+        let flat = AdvantageConfig { gamma: 1.0, ..cfg };
+        let adv = compute_advantages(&[1.0, 0.0], &["a", "b"], &[1, 3], &flat);
+        close_within(&adv, &[0.75 / 0.5, -0.25 / 0.5], 1e-7);
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod advantage;
 pub mod aggregation;
 pub mod kl;
 pub mod policy_loss;
+pub mod returns;
 
 pub use advantage::{compute_advantages, AdvantageConfig, AdvantageEstimator};
 pub use aggregation::{token_weights, BatchTotals, LossAgg};

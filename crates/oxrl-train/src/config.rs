@@ -360,6 +360,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
                 .get("algorithm.norm_adv_by_std")
                 .unwrap_or(estimator.norm_adv_by_std_default()),
             eps: given.value("algorithm.adv_eps"),
+            gamma: given.value("algorithm.gamma"),
         },
         policy_loss: PolicyLossConfig {
             kind: entry(given, "algorithm.policy_loss", PolicyLoss::from_name)?,

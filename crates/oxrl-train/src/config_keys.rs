@@ -130,7 +130,11 @@ pub const PRESETS: &[Preset] = &[
         sets: &[("advantage", "\"rloo\"")],
     },
     Preset {
-        names: &["REINFORCE_BASELINE", "REINFORCE++"],
+        names: &["REINFORCE++", "REINFORCE_PLUS_PLUS"],
+        sets: &[("advantage", "\"reinforce_plus_plus\"")],
+    },
+    Preset {
+        names: &["REINFORCE_BASELINE", "REINFORCE++_BASELINE"],
         sets: &[("advantage", "\"reinforce_baseline\"")],
     },
     Preset {
@@ -395,6 +399,7 @@ pub const KEYS: &[KeySpec] = table! {
     function_key("shift", MODEL, Kind::Float(Finite), Shown(|| RewardModelSpec::new("").shift.to_string()), "added after scale"),
     key("algorithm", "advantage", Kind::OneOf(registry::<AdvantageEstimator>), Value("\"grpo\""), "advantage estimator"),
     key("algorithm", "norm_adv_by_std", Kind::Bool, Shown(norm_adv_by_std_default), "divide GRPO advantages by the group std"),
+    key("algorithm", "gamma", Kind::Float(Fraction), Value("1.0"), "discount of reinforce_plus_plus's per-token returns (1: every token gets the whole reward)"),
     key("algorithm", "adv_eps", Kind::Float(NonNegative), Value("1e-6"), "epsilon of the GRPO std"),
     key("algorithm", "policy_loss", Kind::OneOf(registry::<PolicyLoss>), Value("\"ppo_clip\""), "policy loss per token"),
     key("algorithm", "clip_low", Kind::Float(NonNegative), Value("0.2"), "lower clip epsilon"),

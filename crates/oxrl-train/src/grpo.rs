@@ -606,9 +606,9 @@ fn engine_prompts(asked: &[&PromptRow]) -> (Vec<Vec<u32>>, Vec<Vec<PromptImage>>
         .unzip()
 }
 
-/// Per-trajectory advantages from the rewards, grouped by uid (`docs/rl-algorithms.md`,
-/// advantage estimators).
-pub fn advantages(trajs: &[Trajectory], cfg: &AdvantageConfig) -> Vec<f64> {
+/// Advantages of every response token from the rewards, grouped by uid
+/// (`docs/rl-algorithms.md`, advantage estimators).
+pub fn advantages(trajs: &[Trajectory], cfg: &AdvantageConfig) -> Vec<Vec<f64>> {
     let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
     let uids: Vec<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
     let lens: Vec<usize> = trajs.iter().map(|t| t.response_ids.len()).collect();
@@ -618,7 +618,8 @@ pub fn advantages(trajs: &[Trajectory], cfg: &AdvantageConfig) -> Vec<f64> {
 /// What learning from one batch computed, phase by phase.
 #[derive(Debug, Clone)]
 pub struct Learned {
-    pub advantages: Vec<f64>,
+    /// Per trajectory, one per response token.
+    pub advantages: Vec<Vec<f64>>,
     pub old: OldPolicy,
     pub reference: Option<Vec<Vec<f32>>>,
     pub report: UpdateReport,

@@ -379,12 +379,13 @@ impl PolicyTrainer {
         }
     }
 
-    /// The policy update of one training step on `trajs` with their `advantages`: for each PPO
-    /// epoch and mini-batch, one optimizer step. Advances [`PolicyTrainer::weight_version`].
+    /// The policy update of one training step on `trajs` with their `advantages` (one per
+    /// response token): for each PPO epoch and mini-batch, one optimizer step. Advances
+    /// [`PolicyTrainer::weight_version`].
     pub fn update(
         &mut self,
         trajs: &[Trajectory],
-        advantages: &[f64],
+        advantages: &[Vec<f64>],
         old: &OldPolicy,
         reference: Option<&[Vec<f32>]>,
     ) -> Result<UpdateReport> {
@@ -442,7 +443,7 @@ impl PolicyTrainer {
         &self,
         trajs: &[Trajectory],
         micro: &[usize],
-        advantages: &[f64],
+        advantages: &[Vec<f64>],
         old: &OldPolicy,
         reference: Option<&[Vec<f32>]>,
         totals: &BatchTotals,
@@ -466,7 +467,7 @@ impl PolicyTrainer {
         };
         let adv: Vec<f32> = micro
             .iter()
-            .flat_map(|&i| std::iter::repeat_n(advantages[i] as f32, trajs[i].response_ids.len()))
+            .flat_map(|&i| advantages[i].iter().map(|&a| a as f32))
             .collect();
         let adv = Tensor::from_vec(adv, out.logprobs.dims1()?, &dev)?;
         let old_logp = flat(&old.logprobs, micro, &dev)?;

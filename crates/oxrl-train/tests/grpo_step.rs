@@ -143,15 +143,18 @@ fn step_matches_verl(saving: Saving) {
     let want = expected();
     let (trainer, learned) = run_saving(12, saving);
     let report = &learned.report;
-    for (g, w) in learned
+    for (row, w) in learned
         .advantages
         .iter()
         .zip(want["advantages"].as_array().unwrap())
     {
-        assert!(
-            (g - w.as_f64().unwrap()).abs() <= 1e-6,
-            "advantage {g} vs {w}"
-        );
+        // GRPO gives every token of a response its sequence's advantage.
+        for g in row {
+            assert!(
+                (g - w.as_f64().unwrap()).abs() <= 1e-6,
+                "advantage {g} vs {w}"
+            );
+        }
     }
     for (name, got) in [
         ("logprobs", &report.logprobs),
@@ -354,4 +357,47 @@ fn bf16_master_weights_are_the_checkpoints_f32_values_from_shards_too() {
         assert_eq!(a.master, w, "{name} from the single file");
         assert_eq!(b.master, w, "{name} from the shards");
     }
+}
+
+/// REINFORCE++ with γ < 1 gives each token its own advantage, and those reach the loss: the
+/// step's pg_loss is the token mean of −min(ρ·A_t, clip(ρ)·A_t) over the per-token A_t.
+#[test]
+fn per_token_advantages_reach_the_policy_loss() {
+    let mut trainer = trainer(DType::F32, 4);
+    trainer.algorithm.advantage = AdvantageConfig {
+        estimator: oxrl_algo::AdvantageEstimator::ReinforcePlusPlus,
+        gamma: 0.5,
+        ..Default::default()
+    };
+    let trajs = read_trajectories(&fixture("grpo-step/rollouts.jsonl")).unwrap();
+    let learned = learn(&mut trainer, &trajs, &mut PhaseTimes::default()).unwrap();
+    let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
+    let lens: Vec<usize> = trajs.iter().map(|t| t.response_ids.len()).collect();
+    let want = oxrl_algo::returns::reinforce_plus_plus(
+        &oxrl_algo::returns::outcome_token_rewards(&rewards, &lens),
+        0.5,
+    );
+    assert_eq!(learned.advantages, want.advantages);
+    assert!(
+        learned
+            .advantages
+            .iter()
+            .any(|row| row.iter().any(|a| *a != row[0])),
+        "γ = 0.5 should vary the advantages within a response"
+    );
+    let (mut sum, mut n) = (0.0, 0.0);
+    for (ratios, adv) in learned.report.ratios.iter().zip(&learned.advantages) {
+        for (&rho, &a) in ratios.iter().zip(adv) {
+            let rho = rho as f64;
+            sum += -(rho * a).min(rho.clamp(1.0 - 0.2, 1.0 + 0.28) * a);
+            n += 1.0;
+        }
+    }
+    rel_close(
+        learned.report.metrics["pg_loss"],
+        sum / n,
+        1e-5,
+        1e-7,
+        "pg_loss",
+    );
 }
