@@ -14,6 +14,7 @@ mod registry;
 
 pub mod advantage;
 pub mod aggregation;
+pub mod dapo;
 pub mod kl;
 pub mod policy_loss;
 pub mod returns;

@@ -25,6 +25,25 @@ pub struct RewardOutcome {
     pub latency: Vec<(String, f64)>,
 }
 
+impl RewardOutcome {
+    /// Appends another batch's outcome (the same functions, in the same order): totals and
+    /// scores follow on, failures add up, latencies average over the batches' calls.
+    pub fn extend(&mut self, more: RewardOutcome) {
+        let (before, added) = (self.total.len() as f64, more.total.len() as f64);
+        self.total.extend(more.total);
+        for ((_, scores), (_, more)) in self.per_function.iter_mut().zip(more.per_function) {
+            scores.extend(more);
+        }
+        for ((_, failed), (_, more)) in self.failures.iter_mut().zip(more.failures) {
+            *failed += more;
+        }
+        let all = (before + added).max(1.0);
+        for ((_, secs), (_, more)) in self.latency.iter_mut().zip(more.latency) {
+            *secs = (*secs * before + more * added) / all;
+        }
+    }
+}
+
 pub struct RewardSet {
     pub functions: Vec<WeightedReward>,
     pub failure_score: f64,
@@ -140,6 +159,23 @@ struct Scored {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outcomes_of_two_batches_join() {
+        let outcome = |total: Vec<f64>, failed: usize, secs: f64| RewardOutcome {
+            per_function: vec![("f".into(), total.clone())],
+            total,
+            failures: vec![("f".into(), failed)],
+            latency: vec![("f".into(), secs)],
+        };
+        let mut a = outcome(vec![1.0, 0.0], 1, 0.5);
+        a.extend(outcome(vec![0.5, 0.5, 0.5, 0.5], 2, 2.0));
+        assert_eq!(a.total, [1.0, 0.0, 0.5, 0.5, 0.5, 0.5]);
+        assert_eq!(a.per_function[0].1, a.total);
+        assert_eq!(a.failures[0].1, 3);
+        // (0.5·2 + 2.0·4) / 6 = 1.5.
+        assert_eq!(a.latency[0].1, 1.5);
+    }
 
     struct Const(f64);
     impl RewardFn for Const {

@@ -57,6 +57,17 @@ pub struct RewardConfig {
     pub timeout_s: f64,
 }
 
+/// DAPO's sampling-side settings (`[algorithm]`): the soft overlong punishment and dynamic
+/// sampling.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DynamicSampling {
+    /// Tokens before `max_new_tokens` where the punishment starts (0: none).
+    pub overlong_buffer_len: usize,
+    pub overlong_penalty_factor: f64,
+    pub filter_groups: bool,
+    pub max_sample_batches: usize,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunConfig {
     /// The file the config came from; relative paths in it are relative to its directory.
@@ -78,6 +89,8 @@ pub struct RunConfig {
     pub rollout: RolloutConfig,
     pub reward: RewardConfig,
     pub algorithm: AlgorithmConfig,
+    /// DAPO's reward shaping and group filtering while sampling.
+    pub dynamic_sampling: DynamicSampling,
     pub update: UpdateConfig,
     pub batch_size: usize,
     pub max_steps: u64,
@@ -380,6 +393,13 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
             .unwrap_or(rollout.max_new_tokens as f64),
         old_logprobs: choice(given, "algorithm.old_logprobs", OLD_LOGPROBS)?,
         entropy_coef: given.value("algorithm.entropy_coef"),
+        overlong_filter: given.value("algorithm.overlong_filter"),
+    };
+    let dynamic_sampling = DynamicSampling {
+        overlong_buffer_len: given.value("algorithm.overlong_buffer_len"),
+        overlong_penalty_factor: given.value("algorithm.overlong_penalty_factor"),
+        filter_groups: given.value("algorithm.filter_groups"),
+        max_sample_batches: given.value("algorithm.max_sample_batches"),
     };
 
     // The flat quick-start keys are the [trainer] ones under another name: one or the other.
@@ -437,6 +457,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         rollout,
         reward,
         algorithm,
+        dynamic_sampling,
         update,
         batch_size,
         max_steps,
@@ -488,6 +509,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(none.contains("max_staleness"), "{none}");
+    }
+
+    #[test]
+    fn dapo_settings_parse_and_the_preset_turns_dynamic_sampling_on() {
+        let base = "policy_model = \"m\"\n";
+        let plain = parse(base).unwrap();
+        assert!(!plain.dynamic_sampling.filter_groups && !plain.algorithm.overlong_filter);
+        assert_eq!(plain.dynamic_sampling.overlong_buffer_len, 0);
+        let dapo = parse(&format!("{base}algorithm = \"DAPO\"\n")).unwrap();
+        assert!(dapo.dynamic_sampling.filter_groups);
+        assert_eq!(dapo.dynamic_sampling.max_sample_batches, 10);
+        let set = parse(&format!(
+            "{base}[algorithm]\noverlong_buffer_len = 64\noverlong_penalty_factor = 0.5\n\
+             overlong_filter = true\nmax_sample_batches = 2\n"
+        ))
+        .unwrap();
+        assert_eq!(set.dynamic_sampling.overlong_buffer_len, 64);
+        assert_eq!(set.dynamic_sampling.overlong_penalty_factor, 0.5);
+        assert_eq!(set.dynamic_sampling.max_sample_batches, 2);
+        assert!(set.algorithm.overlong_filter);
+        let e = parse(&format!("{base}[algorithm]\nmax_sample_batches = 0\n")).unwrap_err();
+        assert!(
+            e.to_string().contains("algorithm.max_sample_batches"),
+            "{e}"
+        );
     }
 
     #[test]

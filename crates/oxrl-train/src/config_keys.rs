@@ -148,7 +148,11 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         names: &["DAPO"],
-        sets: &[("clip_high", "0.28"), ("loss_agg", "\"token_mean\"")],
+        sets: &[
+            ("clip_high", "0.28"),
+            ("loss_agg", "\"token_mean\""),
+            ("filter_groups", "true"),
+        ],
     },
 ];
 
@@ -412,6 +416,11 @@ pub const KEYS: &[KeySpec] = table! {
     key("algorithm", "loss_scale_factor", Kind::Float(Positive), Text("= max_new_tokens"), "L_max of seq_mean_token_sum_norm"),
     key("algorithm", "old_logprobs", Kind::OneOf(|| table_choices(OLD_LOGPROBS)), Value("\"recompute\""), "where logp_old comes from"),
     key("algorithm", "entropy_coef", Kind::Float(Range::Any), Value("0.0"), "entropy bonus coefficient"),
+    key("algorithm", "overlong_buffer_len", int(0), Value("0"), "DAPO soft overlong punishment: over the last this many of max_new_tokens the reward falls linearly by up to overlong_penalty_factor (0 = off)"),
+    key("algorithm", "overlong_penalty_factor", Kind::Float(NonNegative), Value("1.0"), "DAPO: the punishment at max_new_tokens"),
+    key("algorithm", "overlong_filter", Kind::Bool, Value("false"), "DAPO overlong filtering: truncated responses (finish_reason length) leave the update (their groups' advantages still count them)"),
+    key("algorithm", "filter_groups", Kind::Bool, Value("false"), "DAPO dynamic sampling: drop groups whose rewards all tie and sample further batches until batch_size groups carry a signal"),
+    key("algorithm", "max_sample_batches", int(1), Value("10"), "dynamic sampling: batches sampled per step at most (then the step trains on the groups it has)"),
     key("trainer", "batch_size", int(1), Value("8"), "prompts per step (x n_samples_per_prompt trajectories)"),
     key("trainer", "micro_batch_size", int(1), Value("8"), "trajectories per forward/backward"),
     key("trainer", "gradient_accumulation_steps", int(1), Text("whole batch"), "micro-batches per optimizer step"),

@@ -15,6 +15,7 @@ use crate::trajectory::Trajectory;
 use crate::update::{OldPolicy, PolicyTrainer, Result, TrainError, UpdateReport};
 use candle_core::{DType, Device};
 use oxrl_algo::advantage::frac_zero_std_groups;
+use oxrl_algo::dapo::{informative_groups, soft_overlong_penalty};
 use oxrl_algo::{compute_advantages, AdvantageConfig};
 use oxrl_models::{eos_token_ids, hub::resolve_model, load_policy, ImagePrompting, Tokenizer};
 use oxrl_reward::{
@@ -417,10 +418,7 @@ impl GrpoRun {
     pub fn step_once(&mut self) -> Result<BTreeMap<String, f64>> {
         let mut time = PhaseTimes::default();
         let step_start = Instant::now();
-        let rows = self.order.next_batch(self.cfg.batch_size);
-        let completions = time.time("rollout", || self.rollout(&rows))?;
-        let rewards = time.time("reward", || self.score(&rows, &self.prompts, &completions))?;
-        let trajs = self.trajectories(&rows, &completions, &rewards.total);
+        let (trajs, rewards, sampling) = self.sample(&mut time)?;
         let learned = learn(&mut self.trainer, &trajs, &mut time)?;
         self.step += 1;
         let version = self.trainer.weight_version;
@@ -439,12 +437,104 @@ impl GrpoRun {
             step_start.elapsed().as_secs_f64(),
         );
         m.extend(self.engine.take_metrics());
+        m.extend(sampling);
         Ok(m)
     }
 
+    /// The step's rewarded trajectories. With DAPO's dynamic sampling (`filter_groups`),
+    /// batches are sampled until `batch_size` groups whose rewards differ are gathered (or
+    /// `max_sample_batches` were drawn), and only those groups are kept; rewards carry the soft
+    /// overlong punishment when `overlong_buffer_len` is set. Also returns the sampling metrics.
+    fn sample(
+        &mut self,
+        time: &mut PhaseTimes,
+    ) -> Result<(Vec<Trajectory>, RewardOutcome, BTreeMap<String, f64>)> {
+        let dapo = self.cfg.dynamic_sampling.clone();
+        let batch_size = self.cfg.batch_size;
+        let mut kept: Vec<Trajectory> = Vec::new();
+        let mut outcome: Option<RewardOutcome> = None;
+        let mut batches: u64 = 0;
+        loop {
+            let rows = self.order.next_batch(batch_size);
+            let completions = time.time("rollout", || self.rollout(&rows, batches))?;
+            let mut rewards =
+                time.time("reward", || self.score(&rows, &self.prompts, &completions))?;
+            if dapo.overlong_buffer_len > 0 {
+                self.punish_overlong(&mut rewards, &completions);
+            }
+            let trajs = self.trajectories(&rows, &completions, &rewards.total, batches);
+            outcome = Some(match outcome.take() {
+                Some(mut o) => {
+                    o.extend(rewards);
+                    o
+                }
+                None => rewards,
+            });
+            batches += 1;
+            if !dapo.filter_groups {
+                kept = trajs;
+                break;
+            }
+            let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
+            let uids: Vec<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
+            let informative = informative_groups(&rewards, &uids);
+            let last = trajs.clone();
+            kept.extend(
+                trajs
+                    .into_iter()
+                    .zip(informative)
+                    .filter_map(|(t, keep)| keep.then_some(t)),
+            );
+            let groups = distinct_groups(&kept);
+            if groups >= batch_size || batches >= dapo.max_sample_batches as u64 {
+                if kept.is_empty() {
+                    // No group carried a signal: train on the last batch as it is.
+                    kept = last;
+                }
+                let cap = self.cfg.rollout.n_samples_per_prompt * batch_size;
+                kept.truncate(cap.max(1));
+                break;
+            }
+        }
+        let mut m = BTreeMap::new();
+        if dapo.filter_groups {
+            m.insert("num_gen_batches".into(), batches as f64);
+            m.insert(
+                "dynamic_sampling_groups".into(),
+                distinct_groups(&kept) as f64,
+            );
+        }
+        let outcome = outcome.ok_or_else(|| TrainError::Invalid("no batch was sampled".into()))?;
+        Ok((kept, outcome, m))
+    }
+
+    /// Adds DAPO's soft overlong punishment to every response's total reward, and reports it
+    /// as the reward function `overlong`.
+    fn punish_overlong(&self, rewards: &mut RewardOutcome, completions: &[Vec<Completion>]) {
+        let d = &self.cfg.dynamic_sampling;
+        let max = self.cfg.rollout.max_new_tokens;
+        let penalties: Vec<f64> = completions
+            .iter()
+            .flatten()
+            .map(|c| {
+                soft_overlong_penalty(
+                    c.response_ids.len(),
+                    max,
+                    d.overlong_buffer_len,
+                    d.overlong_penalty_factor,
+                )
+            })
+            .collect();
+        for (total, p) in rewards.total.iter_mut().zip(&penalties) {
+            *total += p;
+        }
+        rewards.per_function.push(("overlong".into(), penalties));
+    }
+
     /// The step's sampling parameters: the run's `[rollout]` settings, and a seed derived from
-    /// the run's seed and the step, so a resumed run samples what an uninterrupted one would.
-    fn sampling_params(&self) -> SamplingParams {
+    /// the run's seed, the step and the batch within the step (dynamic sampling draws several),
+    /// so a resumed run samples what an uninterrupted one would.
+    fn sampling_params(&self, batch: u64) -> SamplingParams {
         let r = &self.cfg.rollout;
         SamplingParams {
             n: r.n_samples_per_prompt,
@@ -458,32 +548,38 @@ impl GrpoRun {
             seed: self
                 .cfg
                 .seed
-                .wrapping_add(self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                .wrapping_add(self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                .wrapping_add(batch.wrapping_mul(0xD1B5_4A32_D192_ED03)),
             stop_token_ids: Vec::new(),
             stop_strings: r.stop.clone(),
             ignore_eos: false,
         }
     }
 
-    /// `n_samples_per_prompt` completions of each prompt `rows[i]`.
-    fn rollout(&mut self, rows: &[usize]) -> Result<Vec<Vec<Completion>>> {
-        let params = self.sampling_params();
+    /// `n_samples_per_prompt` completions of each prompt `rows[i]`, in the step's `batch`-th
+    /// sampling.
+    fn rollout(&mut self, rows: &[usize], batch: u64) -> Result<Vec<Vec<Completion>>> {
+        let params = self.sampling_params(batch);
         let asked: Vec<&PromptRow> = rows.iter().map(|&i| &self.prompts[i]).collect();
         let (ids, images) = engine_prompts(&asked);
         Ok(self.engine.generate_with_images(&ids, &images, &params)?)
     }
 
     /// One trajectory per completion, prompt-major, rewarded by `rewards`. The group of a
-    /// prompt is its uid and its place in the batch (a prompt drawn twice makes two groups).
+    /// prompt is its uid and its place in the step's samplings (a prompt drawn twice makes two
+    /// groups).
     fn trajectories(
         &self,
         rows: &[usize],
         completions: &[Vec<Completion>],
         rewards: &[f64],
+        batch: u64,
     ) -> Vec<Trajectory> {
         let mut rewards = rewards.iter();
         let mut trajs = Vec::with_capacity(rewards.len());
-        for (slot, (&row, samples)) in rows.iter().zip(completions).enumerate() {
+        let first_slot = batch as usize * rows.len();
+        for (i, (&row, samples)) in rows.iter().zip(completions).enumerate() {
+            let slot = first_slot + i;
             let p = &self.prompts[row];
             for (c, &reward) in samples.iter().zip(&mut rewards) {
                 trajs.push(Trajectory {
@@ -618,7 +714,8 @@ pub fn advantages(trajs: &[Trajectory], cfg: &AdvantageConfig) -> Vec<Vec<f64>> 
 /// What learning from one batch computed, phase by phase.
 #[derive(Debug, Clone)]
 pub struct Learned {
-    /// Per trajectory, one per response token.
+    /// Per trajectory trained on (all of them, unless overlong filtering dropped some), one per
+    /// response token.
     pub advantages: Vec<Vec<f64>>,
     pub old: OldPolicy,
     pub reference: Option<Vec<Vec<f32>>>,
@@ -634,20 +731,63 @@ pub fn learn(
     time: &mut PhaseTimes,
 ) -> Result<Learned> {
     trainer.check_weight_versions(trajs)?;
-    let advantages = time.time("advantage", || {
+    let mut advantages = time.time("advantage", || {
         advantages(trajs, &trainer.algorithm.advantage)
     });
-    let old = time.time("old_logprobs", || trainer.old_logprobs(trajs))?;
-    let reference = time.time("ref", || trainer.ref_logprobs(trajs))?;
-    let report = time.time("update", || {
-        trainer.update(trajs, &advantages, &old, reference.as_deref())
+    // DAPO overlong filtering: the truncated responses counted in their groups' advantages
+    // but leave the update.
+    let filtered: Vec<Trajectory>;
+    let trained = match trainer.algorithm.overlong_filter {
+        false => trajs,
+        true => {
+            let keep: Vec<bool> = trajs.iter().map(|t| !truncated(t)).collect();
+            filtered = trajs
+                .iter()
+                .zip(&keep)
+                .filter(|(_, &k)| k)
+                .map(|(t, _)| t.clone())
+                .collect();
+            let mut k = keep.iter();
+            advantages.retain(|_| *k.next().unwrap_or(&false));
+            &filtered[..]
+        }
+    };
+    let dropped = (trajs.len() - trained.len()) as f64 / trajs.len().max(1) as f64;
+    if trained.is_empty() {
+        let mut report = UpdateReport::default();
+        report.metrics.insert("overlong_filtered".into(), dropped);
+        return Ok(Learned {
+            advantages,
+            old: OldPolicy::default(),
+            reference: None,
+            report,
+        });
+    }
+    let old = time.time("old_logprobs", || trainer.old_logprobs(trained))?;
+    let reference = time.time("ref", || trainer.ref_logprobs(trained))?;
+    let mut report = time.time("update", || {
+        trainer.update(trained, &advantages, &old, reference.as_deref())
     })?;
+    if trainer.algorithm.overlong_filter {
+        report.metrics.insert("overlong_filtered".into(), dropped);
+    }
     Ok(Learned {
         advantages,
         old,
         reference,
         report,
     })
+}
+
+/// How many groups (uids) `trajs` hold.
+fn distinct_groups(trajs: &[Trajectory]) -> usize {
+    let uids: std::collections::HashSet<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
+    uids.len()
+}
+
+/// Whether sampling stopped the response at `max_new_tokens`.
+fn truncated(t: &Trajectory) -> bool {
+    t.finish_reason.as_deref() == Some("length")
 }
 
 /// What learning from `trajs` measured: the update's metrics, the rewards' mean and spread,
@@ -695,10 +835,7 @@ fn step_metrics(
         "response_length_max".into(),
         lens.iter().copied().fold(0.0, f64::max),
     );
-    let hit_max = trajs
-        .iter()
-        .filter(|t| t.finish_reason.as_deref() == Some("length"))
-        .count();
+    let hit_max = trajs.iter().filter(|t| truncated(t)).count();
     m.insert(
         "clip_ratio".into(),
         hit_max as f64 / trajs.len().max(1) as f64,

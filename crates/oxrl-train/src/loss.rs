@@ -108,6 +108,7 @@ mod tests {
             loss_scale_factor: 1.0,
             old_logprobs: OldLogprobs::Recompute,
             entropy_coef,
+            overlong_filter: false,
         }
     }
 

@@ -44,6 +44,8 @@ pub struct AlgorithmConfig {
     pub loss_scale_factor: f64,
     pub old_logprobs: OldLogprobs,
     pub entropy_coef: f64,
+    /// DAPO overlong filtering: truncated responses leave the update.
+    pub overlong_filter: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]

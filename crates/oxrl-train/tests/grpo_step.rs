@@ -29,6 +29,7 @@ fn algorithm() -> AlgorithmConfig {
         loss_scale_factor: 1.0,
         old_logprobs: OldLogprobs::Rollout,
         entropy_coef: 0.0,
+        overlong_filter: false,
     }
 }
 

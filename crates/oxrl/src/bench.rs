@@ -350,6 +350,7 @@ fn bench_trainer(
         loss_scale_factor: new_tokens as f64,
         old_logprobs: OldLogprobs::Recompute,
         entropy_coef: 0.0,
+        overlong_filter: false,
     };
     let update = UpdateConfig {
         temperature: 1.0,

@@ -312,3 +312,84 @@ fn device_flag_reaches_the_run_and_a_cpu_build_refuses_a_gpu() {
     assert!(String::from_utf8_lossy(&r.stderr).contains("unknown device `tpu`"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// DAPO's sampling side on the demo, squeezed so each part acts (2 samples per prompt, so
+/// groups often tie; 2 new tokens, so responses often hit the limit): dynamic sampling keeps
+/// only groups whose rewards differ, sampling more batches for them; the soft overlong
+/// punishment shows as the `overlong` reward; overlong filtering reports the truncated share it
+/// dropped from the update (a step where all were truncated skips the update).
+#[test]
+fn dapo_dynamic_sampling_and_overlong_shaping_run() {
+    let dir = temp_dir("dapo");
+    let config = oxrl_fixtures::demo_config(
+        "arithmetic",
+        &dir.join("grpo.toml"),
+        &[
+            ("batch_size = 32", "batch_size = 4"),
+            ("max_steps = 200", "max_steps = 3"),
+            ("n_samples_per_prompt = 8", "n_samples_per_prompt = 2"),
+            ("max_new_tokens = 4", "max_new_tokens = 2"),
+            (
+                "kl_coef = 0.0",
+                "kl_coef = 0.0\nfilter_groups = true\nmax_sample_batches = 3\n\
+                 overlong_buffer_len = 1\noverlong_filter = true",
+            ),
+        ],
+    );
+    let out = dir.join("run");
+    ok(&oxrl(&[
+        "train",
+        "--config",
+        s(&config),
+        "--output-dir",
+        s(&out),
+        "--save-rollouts",
+    ]));
+    let metrics: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|m: &Value| m.get("num_gen_batches").is_some())
+        .collect();
+    assert_eq!(metrics.len(), 3);
+    let field = |m: &Value, k: &str| m[k].as_f64().unwrap_or_else(|| panic!("{k}: {m}"));
+    for (step, m) in metrics.iter().enumerate() {
+        let batches = field(m, "num_gen_batches");
+        let groups = field(m, "dynamic_sampling_groups");
+        assert!((1.0..=3.0).contains(&batches), "{m}");
+        assert!((1.0..=4.0).contains(&groups), "{m}");
+        // A 2-token response is 1 past the free 1: punished by the whole factor.
+        assert!((-1.0..=0.0).contains(&field(m, "reward/overlong")), "{m}");
+        assert!((0.0..=1.0).contains(&field(m, "overlong_filtered")), "{m}");
+        let text =
+            std::fs::read_to_string(out.join(format!("rollouts/step-{}.jsonl", step + 1))).unwrap();
+        let mut by_group: std::collections::HashMap<String, Vec<f64>> = Default::default();
+        for line in text.lines() {
+            let t: Value = serde_json::from_str(line).unwrap();
+            by_group
+                .entry(t["uid"].as_str().unwrap().to_string())
+                .or_default()
+                .push(t["reward"].as_f64().unwrap());
+        }
+        assert_eq!(by_group.len() as f64, groups, "{m}");
+        // Unless sampling ran out of batches, every kept group carries a signal.
+        if batches < 3.0 {
+            assert_eq!(groups, 4.0, "{m}");
+            for (uid, r) in &by_group {
+                assert!(
+                    r.iter().any(|x| *x != r[0]),
+                    "{uid}: {r:?} carries no signal"
+                );
+            }
+        }
+    }
+    assert!(
+        metrics.iter().any(|m| field(m, "num_gen_batches") > 1.0),
+        "no step needed a second batch: {metrics:?}"
+    );
+    assert!(
+        metrics.iter().any(|m| field(m, "overlong_filtered") > 0.0),
+        "nothing was filtered: {metrics:?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
