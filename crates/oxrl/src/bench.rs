@@ -31,6 +31,9 @@ pub enum BenchCommand {
     Vision(VisionBench),
     /// A load test of `oxrl serve` from many concurrent clients, next to the offline engine.
     Serve(crate::bench_serve::ServeBench),
+    /// All-reduce bandwidth of the process group's transport over message sizes (run it
+    /// under a launcher: `torchrun --nproc_per_node 2 --no-python oxrl bench allreduce`).
+    Allreduce(crate::dist_check::AllReduceBench),
 }
 
 #[derive(clap::Args)]
@@ -421,6 +424,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::GrpoStep(b) => grpo_step(b),
         BenchCommand::Vision(b) => vision(b),
         BenchCommand::Serve(b) => crate::bench_serve::run(b),
+        BenchCommand::Allreduce(b) => crate::dist_check::bench(b),
     }
 }
 

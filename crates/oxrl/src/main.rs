@@ -3,6 +3,7 @@
 mod bench;
 mod bench_serve;
 mod device_memory;
+mod dist_check;
 mod export;
 mod generate;
 mod input;
@@ -66,6 +67,9 @@ enum Command {
     /// Speed benchmarks on random-weight models.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// What each rank of a multi-process launch sees: rank, node, device, rendezvous, and a
+    /// checked all-reduce with its bandwidth (run it under torchrun, srun, mpirun or Ray).
+    DistCheck(dist_check::DistCheckArgs),
 }
 
 /// Turns SIGINT and SIGTERM into a stop request for a training run: the first one is noted
@@ -126,6 +130,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => done(plan::run(args)),
         Command::Export(args) => done(export::run(args)),
         Command::Bench(cmd) => done(bench::run(cmd)),
+        Command::DistCheck(args) => done(dist_check::run(args)),
     };
     match result {
         Ok(code) => code,
