@@ -59,6 +59,10 @@ pub struct SamplingParams {
     pub stop_strings: Vec<String>,
     /// Keep going past the model's eos ids (the user's `stop_token_ids` still apply).
     pub ignore_eos: bool,
+    /// The place of this call's first prompt in a larger batch: prompt `i` samples as prompt
+    /// `first_prompt + i` of that batch would. A data-parallel rank generating its share of a
+    /// step's prompts draws exactly what one process generating them all would.
+    pub first_prompt: u64,
 }
 
 impl SamplingParams {
@@ -94,6 +98,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             ignore_eos: false,
+            first_prompt: 0,
         }
     }
 }

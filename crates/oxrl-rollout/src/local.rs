@@ -141,7 +141,7 @@ impl Engine for LocalEngine {
                 prompt: prompt.clone(),
                 images,
                 params: params.clone(),
-                first_stream: (i * n) as u64,
+                first_stream: (params.first_prompt + i as u64) * n as u64,
                 sink: Box::new(Collect {
                     prompt: i,
                     done: done.clone(),

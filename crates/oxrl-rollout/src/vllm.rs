@@ -370,7 +370,7 @@ impl VllmEngine {
                 "top_k": s.top_k,
                 "min_p": s.min_p,
                 // One stream per prompt, reproducible for a given seed and prompt order.
-                "seed": request_seed(params.seed, index),
+                "seed": request_seed(params.seed, params.first_prompt as usize + index),
                 "stop_token_ids": stop,
                 "ignore_eos": params.ignore_eos,
                 "logprobs": 0,
@@ -933,6 +933,7 @@ mod tests {
             stop_token_ids: vec![3],
             stop_strings: Vec::new(),
             ignore_eos: false,
+            first_prompt: 0,
         };
         let prompt = RemotePrompt {
             ids: vec![1, 2],

@@ -106,6 +106,44 @@ fn seeded_sampling_repeats_exactly_whatever_the_batching() {
         .any(|s| s.response_ids != a[0][0].response_ids));
 }
 
+#[test]
+fn a_share_of_the_batch_samples_what_the_whole_batch_would() {
+    // A data-parallel rank generates prompts [2, 4) of a step's batch with first_prompt = 2.
+    let prompts = prompts();
+    assert!(prompts.len() >= 4);
+    let mut engine = LocalEngine::new(tiny(), None, vec![]);
+    let whole = engine.generate(&prompts[..4], &sampled(7)).unwrap();
+    let share = SamplingParams {
+        first_prompt: 2,
+        ..sampled(7)
+    };
+    let second_half = engine.generate(&prompts[2..4], &share).unwrap();
+    for (x, y) in whole[2..]
+        .iter()
+        .flatten()
+        .zip(second_half.iter().flatten())
+    {
+        assert_eq!(x.response_ids, y.response_ids);
+        for (p, q) in x.logprobs.iter().zip(&y.logprobs) {
+            assert!((p - q).abs() < 1e-5);
+        }
+    }
+    // Without the offset the share draws prompts 0 and 1's streams: other tokens.
+    let unshifted = engine.generate(&prompts[2..4], &sampled(7)).unwrap();
+    assert_ne!(
+        unshifted
+            .iter()
+            .flatten()
+            .map(|c| &c.response_ids)
+            .collect::<Vec<_>>(),
+        whole[2..]
+            .iter()
+            .flatten()
+            .map(|c| &c.response_ids)
+            .collect::<Vec<_>>()
+    );
+}
+
 /// The engine on pooled caches (the GPU layout: one tensor per layer, batched attention) draws
 /// the host caches' tokens, with log-probs equal to float noise, also when sequences wait for a
 /// slot and take over the slots of finished ones.

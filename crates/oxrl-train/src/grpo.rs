@@ -553,6 +553,7 @@ impl GrpoRun {
             stop_token_ids: Vec::new(),
             stop_strings: r.stop.clone(),
             ignore_eos: false,
+            first_prompt: 0,
         }
     }
 

@@ -128,6 +128,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         stop_token_ids: Vec::new(),
         stop_strings: args.stop.clone(),
         ignore_eos: args.ignore_eos,
+        first_prompt: 0,
     };
     let mut engine = LocalEngine::new(
         loaded.model.clone(),

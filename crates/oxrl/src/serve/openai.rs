@@ -222,6 +222,7 @@ pub fn options(route: Route, body: &Map<String, Value>) -> Result<Options, ApiEr
             stop_token_ids,
             stop_strings,
             ignore_eos: boolean(body, "ignore_eos")?,
+            first_prompt: 0,
         },
         max_tokens,
         stream: boolean(body, "stream")?,

@@ -109,6 +109,7 @@ pub fn request(body: &Map<String, Value>, base: &Path) -> Result<GenerateRequest
             .get("ignore_eos")
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        first_prompt: 0,
     };
     Ok(GenerateRequest {
         ids,
