@@ -93,6 +93,9 @@ pub struct RunConfig {
     pub dynamic_sampling: DynamicSampling,
     pub update: UpdateConfig,
     pub batch_size: usize,
+    /// The quick-start `num_gpus`: the processes (one per GPU) a launcher must start; checked
+    /// against the launcher's world size.
+    pub num_gpus: Option<usize>,
     pub max_steps: u64,
     pub save_every: u64,
     pub eval_every: u64,
@@ -282,11 +285,6 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         true => join_clean(&base, &p).display().to_string(),
         false => p,
     };
-    if let Some(n) = given.get::<u32>("num_gpus") {
-        if n > 1 {
-            return Err(given.bad("num_gpus", format!("{n} GPUs need the multi-process launcher, which this version does not have yet; use 0 or 1")));
-        }
-    }
 
     let data = DataConfig {
         train_files: resolve_paths(&base, given.get("data.train_files")),
@@ -460,6 +458,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         dynamic_sampling,
         update,
         batch_size,
+        num_gpus: given.get::<u32>("num_gpus").map(|n| n as usize),
         max_steps,
         save_every: given.value("trainer.save_every"),
         eval_every: given.value("trainer.eval_every"),

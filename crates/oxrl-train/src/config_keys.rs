@@ -444,7 +444,7 @@ pub const KEYS: &[KeySpec] = table! {
     key("", "policy_model", Kind::Str, Text("none"), "quick-start: [model] path"),
     key("", "reward_model", Kind::Str, Text("none"), "quick-start: a [[reward.functions]] table of type reward_model with this path, weight 1"),
     key("", "algorithm", Kind::Preset, Text("none"), "quick-start: a preset of [algorithm] keys"),
-    key("", "num_gpus", Kind::Int { min: 0, max: u32::MAX as i64 }, Text("none"), "quick-start: accelerators to use (0 or 1 on one machine today)"),
+    key("", "num_gpus", Kind::Int { min: 0, max: u32::MAX as i64 }, Text("none"), "quick-start: GPUs, one process each: a launcher (torchrun, srun, mpirun, oxrl.ray) starts them and this must match its world size"),
     key("", "batch_size", int(1), Text("none"), "quick-start: [trainer] batch_size"),
     key("", "gradient_accumulation_steps", int(1), Text("none"), "quick-start: [trainer] gradient_accumulation_steps"),
 };

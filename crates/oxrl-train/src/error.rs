@@ -62,6 +62,9 @@ pub enum TrainError {
     Trajectory(#[from] TrajectoryError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    /// The process group failed: a rank exited, timed out or disagreed.
+    #[error(transparent)]
+    Dist(#[from] oxrl_dist::DistError),
 }
 
 pub type Result<T> = std::result::Result<T, TrainError>;

@@ -9,10 +9,14 @@ use crate::data::{load_prompts, DataCursor, DataOrder, PromptRow};
 use crate::interrupt::Interrupt;
 use crate::note;
 use crate::observe::{write_svg_chart, Gauges, MetricsLog, PhaseTimes, Progress};
+use crate::parallel::DataParallel;
 use crate::run_dir::RunDir;
+use crate::shares;
 use crate::state::{self, TrainerState};
 use crate::trajectory::Trajectory;
-use crate::update::{OldPolicy, PolicyTrainer, Result, TrainError, UpdateReport};
+use crate::update::{
+    rollout_logprob_diff, OldLogprobs, OldPolicy, PolicyTrainer, Result, TrainError, UpdateReport,
+};
 use candle_core::{DType, Device};
 use oxrl_algo::advantage::frac_zero_std_groups;
 use oxrl_algo::dapo::{informative_groups, soft_overlong_penalty};
@@ -216,11 +220,12 @@ pub struct GrpoRun {
     val: Vec<PromptRow>,
     order: DataOrder,
     step: u64,
-    metrics: MetricsLog,
+    /// The metrics log; rank 0's alone in a data-parallel group.
+    metrics: Option<MetricsLog>,
     gauges: Gauges,
     save_rollouts: bool,
-    /// Held for the run: the lock on the output directory.
-    _run_dir: RunDir,
+    /// Held for the run: the lock on the output directory (rank 0's).
+    _run_dir: Option<RunDir>,
 }
 
 fn mean_std(xs: &[f64]) -> (f64, f64) {
@@ -236,6 +241,35 @@ impl GrpoRun {
     /// Loads everything a sampling run needs; with `resume`, continues from the newest complete
     /// checkpoint in the output directory.
     pub fn new(cfg: RunConfig, resume: bool, save_rollouts: bool) -> Result<Self> {
+        Self::new_parallel(cfg, resume, save_rollouts, DataParallel::default())
+    }
+
+    /// [`GrpoRun::new`] as one rank of a data-parallel group: every rank loads the run and
+    /// samples its share of each step; rank 0 alone writes the output directory (which the
+    /// ranks must share to resume).
+    pub fn new_parallel(
+        cfg: RunConfig,
+        resume: bool,
+        save_rollouts: bool,
+        parallel: DataParallel,
+    ) -> Result<Self> {
+        if !parallel.is_single() && cfg.rollout.vllm.is_some() {
+            return Err(TrainError::Invalid(format!(
+                "{}: a data-parallel run ({} ranks) samples with each rank's local engine; \
+                 [rollout] backend = \"vllm\" is for one trainer process in this version",
+                cfg.source.display(),
+                parallel.world_size()
+            )));
+        }
+        if cfg.batch_size < parallel.world_size() {
+            return Err(TrainError::Invalid(format!(
+                "{}: batch_size = {} prompts cannot be shared by {} ranks; use at least one \
+                 prompt per rank",
+                cfg.source.display(),
+                cfg.batch_size,
+                parallel.world_size()
+            )));
+        }
         let device = open_device(&cfg)?;
         let rewards = reward_set(&cfg, &device)?;
         if cfg.data.train_files.is_empty() {
@@ -274,12 +308,21 @@ impl GrpoRun {
                 cfg.data.max_prompt_length
             );
         }
-        let run_dir = RunDir::open(&cfg.output_dir, resume)?;
-        let (policy_dir, trainer_state) = match &run_dir.resumed {
+        let run_dir = match parallel.is_main() {
+            true => Some(RunDir::open(&cfg.output_dir, resume)?),
+            false => None,
+        };
+        let resumed = match &run_dir {
+            Some(dir) => dir.resumed.clone(),
+            None => resume.then(|| state::latest(&cfg.output_dir)).flatten(),
+        };
+        agree_on_checkpoint(&parallel, &resumed, &cfg.output_dir)?;
+        let (policy_dir, trainer_state) = match &resumed {
             Some((_, dir)) => (dir.clone(), Some(state::load_state(dir)?)),
             None => (model_dir.clone(), None),
         };
         let mut trainer = build_trainer(&cfg, &policy_dir, &device, trainer_state.is_some())?;
+        trainer.parallel = parallel;
         let (step, cursor) = match &trainer_state {
             Some(s) => {
                 state::load_optimizer(&policy_dir, &mut trainer, s.optimizer_step)?;
@@ -321,9 +364,16 @@ impl GrpoRun {
         };
         engine.sync_weights(trainer.policy.as_ref(), trainer.weight_version)?;
         let order = DataOrder::new(prompts.len(), cfg.seed, cfg.data.shuffle, cursor);
-        let metrics = MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), step)?;
+        let main = trainer.parallel.is_main();
+        let metrics = match main {
+            true => Some(MetricsLog::open(
+                &cfg.output_dir.join("metrics.jsonl"),
+                step,
+            )?),
+            false => None,
+        };
         let gauges = Gauges::default();
-        if let Some(port) = cfg.prometheus_port {
+        if let (Some(port), true) = (cfg.prometheus_port, main) {
             let addr = gauges.serve(&cfg.prometheus_host, port)?;
             note!("prometheus: serving http://{addr}/metrics");
         }
@@ -351,7 +401,7 @@ impl GrpoRun {
     pub fn run(&mut self, max_steps: u64, interrupt: &Interrupt) -> Result<RunSummary> {
         let progress = Progress::new(max_steps);
         let eval_every = self.cfg.eval_every;
-        if self.step == 0 && !self.val.is_empty() {
+        if self.step == 0 && !self.val.is_empty() && self.trainer.parallel.is_main() {
             let v = self.validate()?;
             note!(
                 "validation before training: reward {:.3}",
@@ -361,9 +411,11 @@ impl GrpoRun {
         }
         let mut interrupted = None;
         let mut saved = None;
+        let main = self.trainer.parallel.is_main();
         while self.step < max_steps {
-            if let Some(signal) = interrupt.signal() {
-                interrupted = Some((signal, saved));
+            // Every rank stops at the same step, so none waits for one that left.
+            if self.trainer.parallel.any(interrupt.signal().is_some())? {
+                interrupted = Some((interrupt.signal().unwrap_or(SIGTERM), saved));
                 break;
             }
             let mut m = self.step_once()?;
@@ -371,14 +423,20 @@ impl GrpoRun {
                 m.extend(self.validate()?);
             }
             self.log(&m)?;
-            progress.step(self.step, &m);
+            if main {
+                progress.step(self.step, &m);
+            }
             let periodic = self.cfg.save_every > 0 && self.step.is_multiple_of(self.cfg.save_every);
+            let stopping = self.trainer.parallel.any(interrupt.signal().is_some())?;
             saved = None;
-            if periodic || self.step == max_steps || interrupt.signal().is_some() {
-                saved = Some(self.save()?);
+            if periodic || self.step == max_steps || stopping {
+                saved = self.save()?;
             }
         }
-        let series = self.metrics.series("reward_mean");
+        let series = match &self.metrics {
+            Some(log) => log.series("reward_mean"),
+            None => Vec::new(),
+        };
         if !series.is_empty() {
             write_svg_chart(
                 &self.cfg.output_dir.join("reward.svg"),
@@ -398,7 +456,12 @@ impl GrpoRun {
         })
     }
 
-    fn save(&self) -> Result<PathBuf> {
+    /// Rank 0 writes a checkpoint (every rank holds the same weights and optimizer state);
+    /// `None` on the other ranks.
+    fn save(&self) -> Result<Option<PathBuf>> {
+        if !self.trainer.parallel.is_main() {
+            return Ok(None);
+        }
         let s = TrainerState {
             step: self.step,
             optimizer_step: self.trainer.optimizer.steps(),
@@ -411,6 +474,7 @@ impl GrpoRun {
             &s,
             Some(&self.model_dir),
         )
+        .map(Some)
     }
 
     /// One step of the algorithm: rollout → rewards → advantages → policy update → weight
@@ -426,7 +490,7 @@ impl GrpoRun {
             self.engine
                 .sync_weights(self.trainer.policy.as_ref(), version)
         })?;
-        if self.save_rollouts {
+        if self.save_rollouts && self.trainer.parallel.is_main() {
             self.write_rollouts(&trajs)?;
         }
         let mut m = step_metrics(
@@ -456,9 +520,7 @@ impl GrpoRun {
         let mut batches: u64 = 0;
         loop {
             let rows = self.order.next_batch(batch_size);
-            let completions = time.time("rollout", || self.rollout(&rows, batches))?;
-            let mut rewards =
-                time.time("reward", || self.score(&rows, &self.prompts, &completions))?;
+            let (completions, mut rewards) = self.sample_share(&rows, batches, time)?;
             if dapo.overlong_buffer_len > 0 {
                 self.punish_overlong(&mut rewards, &completions);
             }
@@ -506,6 +568,42 @@ impl GrpoRun {
         }
         let outcome = outcome.ok_or_else(|| TrainError::Invalid("no batch was sampled".into()))?;
         Ok((kept, outcome, m))
+    }
+
+    /// Samples and rewards this rank's share of `rows` (all of them in one process), then
+    /// gathers every rank's: each rank returns the completions and rewards of all `rows`, in
+    /// order, as one process sampling them all would have drawn them.
+    fn sample_share(
+        &mut self,
+        rows: &[usize],
+        batch: u64,
+        time: &mut PhaseTimes,
+    ) -> Result<(Vec<Vec<Completion>>, RewardOutcome)> {
+        let share = self.trainer.parallel.share(rows.len());
+        let first = share.start as u64;
+        let mine = &rows[share];
+        let completions = time.time("rollout", || self.rollout(mine, batch, first))?;
+        let rewards = time.time("reward", || self.score(mine, &self.prompts, &completions))?;
+        if self.trainer.parallel.is_single() {
+            return Ok((completions, rewards));
+        }
+        let shares = time.time("gather", || {
+            self.trainer
+                .parallel
+                .gather_bytes(&shares::encode(&completions, &rewards))
+        })?;
+        let mut all = Vec::with_capacity(rows.len());
+        let mut outcome: Option<RewardOutcome> = None;
+        for (rank, bytes) in shares.iter().enumerate() {
+            let (completions, rewards) = shares::decode(bytes, rank)?;
+            all.extend(completions);
+            match &mut outcome {
+                Some(o) => o.extend(rewards),
+                None => outcome = Some(rewards),
+            }
+        }
+        let outcome = outcome.ok_or_else(|| TrainError::Invalid("no rank sampled".into()))?;
+        Ok((all, outcome))
     }
 
     /// Adds DAPO's soft overlong punishment to every response's total reward, and reports it
@@ -558,9 +656,12 @@ impl GrpoRun {
     }
 
     /// `n_samples_per_prompt` completions of each prompt `rows[i]`, in the step's `batch`-th
-    /// sampling.
-    fn rollout(&mut self, rows: &[usize], batch: u64) -> Result<Vec<Vec<Completion>>> {
-        let params = self.sampling_params(batch);
+    /// sampling, drawn as prompt `first + i` of that sampling.
+    fn rollout(&mut self, rows: &[usize], batch: u64, first: u64) -> Result<Vec<Vec<Completion>>> {
+        let params = SamplingParams {
+            first_prompt: first,
+            ..self.sampling_params(batch)
+        };
         let asked: Vec<&PromptRow> = rows.iter().map(|&i| &self.prompts[i]).collect();
         let (ids, images) = engine_prompts(&asked);
         Ok(self.engine.generate_with_images(&ids, &images, &params)?)
@@ -629,7 +730,8 @@ impl GrpoRun {
     /// `val/reward/<name>`, `val/response_length_mean`. Empty without `[data] val_files`.
     pub fn validate(&mut self) -> Result<BTreeMap<String, f64>> {
         let mut m = BTreeMap::new();
-        if self.val.is_empty() {
+        // Rank 0 validates; the others go on to the next step and wait for it there.
+        if self.val.is_empty() || !self.trainer.parallel.is_main() {
             return Ok(m);
         }
         let r = &self.cfg.rollout;
@@ -662,7 +764,10 @@ impl GrpoRun {
     }
 
     fn log(&self, m: &BTreeMap<String, f64>) -> Result<()> {
-        self.metrics.append(m, self.step)?;
+        let Some(metrics) = &self.metrics else {
+            return Ok(());
+        };
+        metrics.append(m, self.step)?;
         self.gauges.set(m);
         self.gauges
             .set(&BTreeMap::from([("step".to_string(), self.step as f64)]));
@@ -682,6 +787,41 @@ impl GrpoRun {
         std::fs::rename(&tmp, &path)?;
         Ok(())
     }
+}
+
+/// The signal a rank reports when another rank's signal stopped the group.
+const SIGTERM: i32 = 15;
+
+/// Every rank resumes from the same checkpoint, or none does: ranks that see different
+/// checkpoints (no shared output directory, or one written mid-start) would train apart.
+fn agree_on_checkpoint(
+    parallel: &DataParallel,
+    resumed: &Option<(u64, PathBuf)>,
+    output_dir: &Path,
+) -> Result<()> {
+    if parallel.is_single() {
+        return Ok(());
+    }
+    let mine = resumed.as_ref().map_or(-1, |(step, _)| *step as i64);
+    let seen = parallel.gather_bytes(&mine.to_le_bytes())?;
+    for (rank, bytes) in seen.iter().enumerate() {
+        let theirs = i64::from_le_bytes(bytes[..8].try_into().unwrap_or([0xff; 8]));
+        if theirs != mine {
+            let says = |s: i64| match s {
+                -1 => "no checkpoint".to_string(),
+                s => format!("checkpoint-{s}"),
+            };
+            return Err(TrainError::Invalid(format!(
+                "{}: rank {} finds {} and rank {rank} finds {}: every rank must see the same \
+                 output directory (a shared filesystem) to resume",
+                output_dir.display(),
+                parallel.rank(),
+                says(mine),
+                says(theirs)
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The engine's view of prompts: their token ids, and their images with where they came from.
@@ -764,8 +904,13 @@ pub fn learn(
             report,
         });
     }
-    let old = time.time("old_logprobs", || trainer.old_logprobs(trained))?;
-    let reference = time.time("ref", || trainer.ref_logprobs(trained))?;
+    let (old, reference) = match trainer.parallel.is_single() {
+        true => (
+            time.time("old_logprobs", || trainer.old_logprobs(trained))?,
+            time.time("ref", || trainer.ref_logprobs(trained))?,
+        ),
+        false => shared_logprobs(trainer, trained, time)?,
+    };
     let mut report = time.time("update", || {
         trainer.update(trained, &advantages, &old, reference.as_deref())
     })?;
@@ -778,6 +923,50 @@ pub fn learn(
         reference,
         report,
     })
+}
+
+/// `logp_old` and the reference log-probs in a data-parallel group: each rank computes them
+/// for the trajectories it updates on, and the ranks exchange them, so every rank holds all
+/// (as one process computing them would).
+fn shared_logprobs(
+    trainer: &PolicyTrainer,
+    trained: &[Trajectory],
+    time: &mut PhaseTimes,
+) -> Result<(OldPolicy, Option<Vec<Vec<f32>>>)> {
+    let p = &trainer.parallel;
+    let n = trained.len();
+    let mini = trainer.mini_batch_len(n);
+    let mine: Vec<Trajectory> = p
+        .update_shard(n, mini)
+        .iter()
+        .map(|&i| trained[i].clone())
+        .collect();
+    let recompute = trainer.algorithm.old_logprobs == OldLogprobs::Recompute;
+    let (old, reference) = match mine.is_empty() {
+        // More ranks than trajectories in a mini-batch: this rank sits it out.
+        true => (
+            OldPolicy {
+                entropy: recompute.then(Vec::new),
+                ..Default::default()
+            },
+            (trainer.algorithm.kl_coef > 0.0).then(Vec::new),
+        ),
+        false => (
+            time.time("old_logprobs", || trainer.old_logprobs(&mine))?,
+            time.time("ref", || trainer.ref_logprobs(&mine))?,
+        ),
+    };
+    let logprobs = p.gather_rows(old.logprobs, n, mini)?;
+    let entropy = old.entropy.map(|e| p.gather_rows(e, n, mini)).transpose()?;
+    let reference = reference.map(|r| p.gather_rows(r, n, mini)).transpose()?;
+    let old = OldPolicy {
+        rollout_logprob_diff: recompute
+            .then(|| rollout_logprob_diff(trained, &logprobs))
+            .flatten(),
+        logprobs,
+        entropy,
+    };
+    Ok((old, reference))
 }
 
 /// How many groups (uids) `trajs` hold.
@@ -859,6 +1048,16 @@ fn step_metrics(
 /// `train --rollouts`: one update on recorded trajectories (the whole file is one batch), then a
 /// checkpoint and one metrics line in `output_dir`.
 pub fn replay(cfg: &RunConfig, rollouts: &Path) -> Result<BTreeMap<String, f64>> {
+    replay_parallel(cfg, rollouts, DataParallel::default())
+}
+
+/// [`replay`] as one rank of a data-parallel group: every rank reads the whole file and
+/// updates on its share; rank 0 writes the checkpoint and the metrics.
+pub fn replay_parallel(
+    cfg: &RunConfig,
+    rollouts: &Path,
+    parallel: DataParallel,
+) -> Result<BTreeMap<String, f64>> {
     let mut trajs = crate::trajectory::read_trajectories(rollouts)?;
     // A file's weight versions count the updates of the run that wrote it, not this trainer's:
     // training on it is off-policy by the user's choice.
@@ -868,12 +1067,19 @@ pub fn replay(cfg: &RunConfig, rollouts: &Path) -> Result<BTreeMap<String, f64>>
     let model_dir = resolve_model(&cfg.model_path)?;
     let prompting = ImagePrompting::from_dir(&model_dir)?;
     crate::trajectory::attach_images(&mut trajs, rollouts, prompting.as_ref())?;
+    let run_dir = match parallel.is_main() {
+        true => Some(RunDir::open(&cfg.output_dir, false)?),
+        false => None,
+    };
     let mut trainer = build_trainer(cfg, &model_dir, &open_device(cfg)?, false)?;
+    trainer.parallel = parallel;
     let mut time = PhaseTimes::default();
     let learned = learn(&mut trainer, &trajs, &mut time)?;
     let mut m = learned_metrics(learned, &trajs);
     m.extend(time.into_metrics());
-    let _run_dir = RunDir::open(&cfg.output_dir, false)?;
+    if run_dir.is_none() {
+        return Ok(m);
+    }
     MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), 0)?.append(&m, 1)?;
     let s = TrainerState {
         step: 1,

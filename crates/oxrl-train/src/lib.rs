@@ -12,19 +12,22 @@ pub mod interrupt;
 pub mod loss;
 pub mod observe;
 pub mod optim;
+pub mod parallel;
 pub mod plan;
 pub mod reward_config;
 pub mod run_dir;
 pub mod sft;
+mod shares;
 pub mod state;
 pub mod trajectory;
 pub mod update;
 
 pub use config::{ConfigError, RunConfig};
-pub use grpo::{advantages, learn, replay, GrpoRun, Learned, RunSummary};
+pub use grpo::{advantages, learn, replay, replay_parallel, GrpoRun, Learned, RunSummary};
 pub use interrupt::Interrupt;
 pub use observe::PhaseTimes;
 pub use optim::{AdamW, AdamWConfig, LrSchedule, Optimizer, TensorAdamW};
+pub use parallel::DataParallel;
 pub use trajectory::{read_trajectories, Trajectory};
 pub use update::{
     AlgorithmConfig, OldLogprobs, OldPolicy, PolicyTrainer, TrainError, UpdateConfig, UpdateReport,

@@ -12,6 +12,7 @@ use crate::loss::{micro_batch_loss, LossMetrics, MicroBatch};
 use crate::optim::{
     adamw_on, clip_grad_norm, squared_norms, AdamW, AdamWConfig, LrSchedule, Optimizer,
 };
+use crate::parallel::DataParallel;
 use crate::trajectory::Trajectory;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -103,6 +104,8 @@ pub struct PolicyTrainer {
     /// How many versions older than the trainer's a sampled trajectory may be (0: strictly
     /// on-policy).
     pub max_staleness: u64,
+    /// The data-parallel group this trainer shares steps with (one process by default).
+    pub parallel: DataParallel,
 }
 
 /// What one optimizer step did.
@@ -123,6 +126,40 @@ struct Sums {
 }
 
 impl Sums {
+    /// The sums over every rank's share: loss terms, counts and every ratio.
+    fn across(mut self, parallel: &DataParallel) -> Result<Self> {
+        if parallel.is_single() {
+            return Ok(self);
+        }
+        let s = &mut self.loss;
+        let mut totals = [
+            s.loss,
+            s.pg_loss,
+            s.kl,
+            s.entropy,
+            s.tokens as f64,
+            s.clipped as f64,
+            s.dual_clipped as f64,
+            s.ppo_kl_sum,
+        ];
+        parallel.sum(&mut totals)?;
+        let [loss, pg_loss, kl, entropy, tokens, clipped, dual_clipped, ppo_kl_sum] = totals;
+        (s.loss, s.pg_loss, s.kl, s.entropy) = (loss, pg_loss, kl, entropy);
+        (s.tokens, s.clipped, s.dual_clipped) =
+            (tokens as usize, clipped as usize, dual_clipped as usize);
+        s.ppo_kl_sum = ppo_kl_sum;
+        let mine: Vec<u8> = s.ratio.iter().flat_map(|r| r.to_le_bytes()).collect();
+        s.ratio = parallel
+            .gather_bytes(&mine)?
+            .iter()
+            .flat_map(|b| {
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            })
+            .collect();
+        Ok(self)
+    }
+
     fn add(&mut self, m: LossMetrics) {
         let s = &mut self.loss;
         s.loss += m.loss;
@@ -189,6 +226,17 @@ pub fn check_weight_versions(
     Ok(())
 }
 
+/// Mean |rollout − recomputed| log-prob over the tokens that have both.
+pub fn rollout_logprob_diff(trajs: &[Trajectory], recomputed: &[Vec<f32>]) -> Option<f64> {
+    let pairs: Vec<(f32, f32)> = trajs
+        .iter()
+        .zip(recomputed)
+        .flat_map(|(t, o)| t.rollout_logprobs.iter().copied().zip(o.iter().copied()))
+        .collect();
+    (!pairs.is_empty())
+        .then(|| pairs.iter().map(|(a, b)| (a - b).abs() as f64).sum::<f64>() / pairs.len() as f64)
+}
+
 fn requests(trajs: &[&Trajectory], temperature: f64) -> Vec<ScoreRequest> {
     trajs
         .iter()
@@ -240,6 +288,7 @@ impl PolicyTrainer {
             update,
             weight_version: WeightVersion::default(),
             max_staleness: 0,
+            parallel: DataParallel::default(),
         };
         trainer.restore_optimizer(AdamW::new(trainer.update.optimizer, initial))?;
         Ok(trainer)
@@ -312,6 +361,11 @@ impl PolicyTrainer {
         Ok(())
     }
 
+    /// Trajectories per optimizer step in an update of `n`.
+    pub fn mini_batch_len(&self, n: usize) -> usize {
+        self.update.mini_batch_size.unwrap_or(n).clamp(1, n.max(1))
+    }
+
     /// The trainable parameters by name, in optimizer order.
     pub fn vars(&self) -> &[(String, Var)] {
         &self.vars
@@ -348,19 +402,10 @@ impl PolicyTrainer {
                     .policy
                     .detached()
                     .score_batch_with_entropy(&requests(&all, self.update.temperature))?;
-                let pairs: Vec<(f32, f32)> = trajs
-                    .iter()
-                    .zip(&old)
-                    .flat_map(|(t, o)| t.rollout_logprobs.iter().copied().zip(o.iter().copied()))
-                    .collect();
-                let diff = (!pairs.is_empty()).then(|| {
-                    pairs.iter().map(|(a, b)| (a - b).abs() as f64).sum::<f64>()
-                        / pairs.len() as f64
-                });
                 Ok(OldPolicy {
+                    rollout_logprob_diff: rollout_logprob_diff(trajs, &old),
                     logprobs: old,
                     entropy: Some(entropy),
-                    rollout_logprob_diff: diff,
                 })
             }
         }
@@ -384,6 +429,11 @@ impl PolicyTrainer {
     /// The policy update of one training step on `trajs` with their `advantages` (one per
     /// response token): for each PPO epoch and mini-batch, one optimizer step. Advances
     /// [`PolicyTrainer::weight_version`].
+    ///
+    /// In a data-parallel group every rank holds the whole batch and computes its share of each
+    /// mini-batch ([`DataParallel::update_shard`]), weighted by the whole mini-batch's totals;
+    /// the optimizer step sums the shares' gradients. `old` and `reference` need only this
+    /// rank's rows; the report holds every rank's.
     pub fn update(
         &mut self,
         trajs: &[Trajectory],
@@ -396,11 +446,7 @@ impl PolicyTrainer {
             ratios: vec![Vec::new(); trajs.len()],
             ..Default::default()
         };
-        let mini = self
-            .update
-            .mini_batch_size
-            .unwrap_or(trajs.len())
-            .clamp(1, trajs.len());
+        let mini = self.mini_batch_len(trajs.len());
         let mut sums = Sums::default();
         let mut lr = 0.0;
         for _epoch in 0..self.update.ppo_epochs.max(1) {
@@ -412,7 +458,8 @@ impl PolicyTrainer {
                     sequences: batch.len(),
                     loss_scale_factor: self.algorithm.loss_scale_factor,
                 };
-                for micro in batch.chunks(self.update.micro_batch_size.max(1)) {
+                let share = &batch[self.parallel.share(batch.len())];
+                for micro in share.chunks(self.update.micro_batch_size.max(1)) {
                     let (loss, m, out) =
                         self.micro_batch(trajs, micro, advantages, old, reference, &totals)?;
                     let mut at = 0;
@@ -435,8 +482,16 @@ impl PolicyTrainer {
             }
         }
         self.weight_version = WeightVersion(self.weight_version.0 + 1);
+        let sums = sums.across(&self.parallel)?;
         report.metrics = sums.metrics();
         report.metrics.insert("lr".into(), lr);
+        if !self.parallel.is_single() {
+            let n = trajs.len();
+            let mine = self.parallel.update_shard(n, mini);
+            let own = |rows: &[Vec<f32>]| mine.iter().map(|&i| rows[i].clone()).collect();
+            report.logprobs = self.parallel.gather_rows(own(&report.logprobs), n, mini)?;
+            report.ratios = self.parallel.gather_rows(own(&report.ratios), n, mini)?;
+        }
         Ok(report)
     }
 
@@ -505,10 +560,11 @@ impl PolicyTrainer {
     }
 
     /// The mini-batch's gradients as one f32 tensor per parameter (zeros where the loss did not
-    /// reach it). This is the one place gradients are read after the backward passes: the
-    /// data-parallel all-reduce (or reduce-scatter) across ranks goes here.
+    /// reach it), summed over the data-parallel group. This is the one place gradients are
+    /// read after the backward passes.
     pub fn reduce_gradients(&self, acc: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
-        self.vars
+        let mut grads = self
+            .vars
             .iter()
             .zip(acc)
             .map(|((_, var), g)| match g {
@@ -519,7 +575,9 @@ impl PolicyTrainer {
                     var.as_tensor().device(),
                 )?),
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        self.parallel.sum_gradients(&mut grads)?;
+        Ok(grads)
     }
 
     /// Reduces and clips the accumulated gradients and takes one optimizer step, which writes

@@ -1,9 +1,10 @@
 //! `oxrl train`, `oxrl sft` and `oxrl config`: the training commands over a run configuration.
 
 use crate::output::{print_text, say};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use oxrl_dist::{DistEnv, ProcessGroup};
 use oxrl_models::DeviceSpec;
-use oxrl_train::{config, replay, sft, GrpoRun, Interrupt, RunConfig};
+use oxrl_train::{config, replay_parallel, sft, DataParallel, GrpoRun, Interrupt, RunConfig};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -124,12 +125,22 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
         None if Path::new(DEFAULT_CONFIG).exists() => PathBuf::from(DEFAULT_CONFIG),
         None => bail!("no --config given and {DEFAULT_CONFIG} is not here (run from the repository root, or pass --config)"),
     };
-    let cfg = load(&path, args.max_steps, args.output_dir, args.device)?;
+    let mut cfg = load(&path, args.max_steps, args.output_dir, args.device)?;
+    let env = DistEnv::from_env()?;
+    check_world_size(&cfg, &env)?;
+    cfg.device = rank_device(cfg.device, &env);
     if !args.skip_memory_check {
         check_memory(&cfg)?;
     }
+    // Held for the run: rank 0's rendezvous store serves the group while it trains.
+    let group = join_group(env)?;
+    let parallel = DataParallel::new(group.collective());
+    let main = parallel.is_main();
     if let Some(rollouts) = args.rollouts {
-        let m = replay(&cfg, &rollouts)?;
+        let m = replay_parallel(&cfg, &rollouts, parallel)?;
+        if !main {
+            return Ok(ExitCode::SUCCESS);
+        }
         let show = |k: &str| m.get(k).copied().unwrap_or(f64::NAN);
         say!(
             "replayed {}: loss {:.6} pg_loss {:.6} kl {:.6} grad_norm {:.6}; checkpoint in {}",
@@ -143,8 +154,11 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let max_steps = cfg.max_steps;
-    let mut run = GrpoRun::new(cfg, args.resume, args.save_rollouts)?;
+    let mut run = GrpoRun::new_parallel(cfg, args.resume, args.save_rollouts, parallel)?;
     let s = run.run(max_steps, interrupt)?;
+    if !main {
+        return Ok(ExitCode::SUCCESS);
+    }
     if let Some((signal, checkpoint)) = &s.interrupted {
         return report_interrupt(*signal, s.steps, checkpoint.as_deref());
     }
@@ -159,8 +173,59 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The group this process's launcher started it in (one process without a launcher).
+fn join_group(env: DistEnv) -> Result<ProcessGroup> {
+    let (rank, world) = (env.rank, env.world_size);
+    let timeout = oxrl_dist::timeout_from_env()?;
+    ProcessGroup::join_cpu(env, timeout)
+        .with_context(|| format!("rank {rank} of {world} joining the process group"))
+}
+
+/// `num_gpus` is the number of processes the launcher must start: a run that asks for
+/// several without a launcher, or under one that started another number, stops here.
+fn check_world_size(cfg: &RunConfig, env: &DistEnv) -> Result<()> {
+    let Some(n) = cfg.num_gpus.filter(|&n| n > 1) else {
+        return Ok(());
+    };
+    if env.world_size == 1 {
+        bail!(
+            "{}: num_gpus = {n} trains with one process per GPU, started by a launcher:              `torchrun --nproc_per_node {n} --no-python oxrl train --config {}` on one node              (srun, mpirun or the Python package's oxrl.ray on a cluster; see docs/distributed.md)",
+            cfg.source.display(),
+            cfg.source.display()
+        );
+    }
+    if env.world_size != n {
+        bail!(
+            "{}: num_gpus = {n}, but the launcher ({}) started {} processes",
+            cfg.source.display(),
+            env.launcher,
+            env.world_size
+        );
+    }
+    Ok(())
+}
+
+/// A GPU rank trains on its own GPU: `cuda:LOCAL_RANK`, or `cuda:0` when the launcher shows
+/// each process one GPU (`CUDA_VISIBLE_DEVICES` with one entry, as Ray and Slurm's
+/// `--gpus-per-task=1` do).
+fn rank_device(device: DeviceSpec, env: &DistEnv) -> DeviceSpec {
+    match device {
+        DeviceSpec::Cuda(_) if env.world_size > 1 => {
+            let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
+            let one_visible = !visible.is_empty() && !visible.contains(',');
+            DeviceSpec::Cuda(if one_visible { 0 } else { env.local_rank })
+        }
+        other => other,
+    }
+}
+
 pub fn sft(args: SftArgs, interrupt: &Interrupt) -> Result<ExitCode> {
     let cfg = load(&args.config, args.max_steps, args.output_dir, args.device)?;
+    if DistEnv::from_env()?.world_size > 1 {
+        bail!(
+            "oxrl sft runs as one process in this version; data-parallel training is `oxrl train`'s"
+        );
+    }
     let s = sft::run(&cfg, args.resume, interrupt)?;
     if let Some(signal) = s.interrupted {
         let saved = s

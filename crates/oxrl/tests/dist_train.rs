@@ -1,0 +1,373 @@
+//! Data-parallel `oxrl train` as real processes: torchrun from the pinned venv starts the ranks
+//! (its agent serves the rendezvous store), or the launcher variables are set by hand as srun
+//! and Ray set them. Each run is compared with one process doing the same work.
+//!
+//! Where the sums are taken in the same order, the ranks reproduce one process bit for bit:
+//! with two ranks and `micro_batch_size` equal to a rank's share of the batch, one process sums
+//! the same two micro-batch gradients in the same order. Otherwise (four ranks, or smaller
+//! micro-batches) the ring sums the shares in another order, and the weights agree to rounding.
+
+use oxrl_fixtures::{fixture, temp_dir};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn oxrl() -> &'static str {
+    env!("CARGO_BIN_EXE_oxrl")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn single(args: &[&str]) -> Output {
+    Command::new(oxrl())
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .expect("oxrl runs")
+}
+
+fn torchrun(ranks: usize, args: &[&str]) -> Output {
+    let torchrun = oxrl_fixtures::peer_python().with_file_name("torchrun");
+    Command::new(torchrun)
+        .args([
+            "--nproc_per_node",
+            &ranks.to_string(),
+            "--no-python",
+            oxrl(),
+        ])
+        .args(args)
+        .output()
+        .expect("torchrun runs")
+}
+
+fn tensors(dir: &Path) -> HashMap<String, Vec<f32>> {
+    candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+/// The largest |a − b| of each tensor over the largest |a| in it.
+fn worst_relative(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .map(|(name, x)| {
+            let y = &b[name];
+            let scale = x.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30) as f64;
+            let diff = x
+                .iter()
+                .zip(y)
+                .map(|(p, q)| (p - q).abs())
+                .fold(0f32, f32::max) as f64;
+            diff / scale
+        })
+        .fold(0.0, f64::max)
+}
+
+fn metrics(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Every logged number but wall times, throughputs and reward latencies.
+fn comparable(line: &Value) -> Vec<(String, f64)> {
+    line.as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| !(k.starts_with("time/") || k.contains("per_s") || k.contains("latency")))
+        .filter_map(|(k, v)| v.as_f64().map(|v| (k.clone(), v)))
+        .collect()
+}
+
+fn replay_config(dir: &Path, micro_batch_size: usize) -> PathBuf {
+    let f = fixture("grpo-step");
+    let config = dir.join(format!("replay-{micro_batch_size}.toml"));
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\npath = \"{}\"\n[reference]\npath = \"{}\"\n\
+             [algorithm]\nadvantage = \"grpo\"\nadv_eps = 1e-6\npolicy_loss = \"ppo_clip\"\nclip_low = 0.2\nclip_high = 0.28\n\
+             kl_coef = 0.01\nkl_estimator = \"k3\"\nloss_agg = \"token_mean\"\nold_logprobs = \"rollout\"\n\
+             [trainer]\nmicro_batch_size = {micro_batch_size}\nlr = 1e-3\nadam_betas = [0.9, 0.999]\nadam_eps = 1e-8\nweight_decay = 0.01\nmax_grad_norm = 1.0\n",
+            s(&f.join("policy")),
+            s(&f.join("ref"))
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// verl's GRPO step (the grpo-step fixture, 12 trajectories) replayed by 2 and 4 ranks equals
+/// the single process's.
+#[test]
+fn replay_on_two_and_four_ranks_equals_one_process() {
+    let dir = temp_dir("dp-replay");
+    let rollouts = fixture("grpo-step").join("rollouts.jsonl");
+    for (ranks, micro) in [(2, 6), (4, 3)] {
+        let config = replay_config(&dir, micro);
+        let (one, many) = (
+            dir.join(format!("one-{micro}")),
+            dir.join(format!("ranks-{ranks}")),
+        );
+        let args = |out: &Path| {
+            vec![
+                "train".to_string(),
+                "--config".into(),
+                s(&config).into(),
+                "--rollouts".into(),
+                s(&rollouts).into(),
+                "--output-dir".into(),
+                s(out).into(),
+            ]
+        };
+        let one_args = args(&one);
+        ok(&single(
+            &one_args.iter().map(String::as_str).collect::<Vec<_>>(),
+        ));
+        let many_args = args(&many);
+        let out = torchrun(
+            ranks,
+            &many_args.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        ok(&out);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            stdout.matches("replayed").count(),
+            1,
+            "rank 0 alone reports:\n{stdout}"
+        );
+        let (a, b) = (&metrics(&one)[0], &metrics(&many)[0]);
+        for key in [
+            "loss",
+            "pg_loss",
+            "kl",
+            "entropy",
+            "grad_norm",
+            "ratio_mean",
+            "pg_clipfrac",
+        ] {
+            let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+            assert!(
+                (x - y).abs() <= 1e-9 * x.abs().max(1e-12),
+                "{ranks} ranks, {key}: {x} vs {y}"
+            );
+        }
+        let (w1, wn) = (
+            tensors(&one.join("checkpoint-1")),
+            tensors(&many.join("checkpoint-1")),
+        );
+        let worst = worst_relative(&w1, &wn);
+        if ranks == 2 {
+            // Each rank's share is one micro-batch of 6: the same two sums in the same order.
+            assert_eq!(
+                worst, 0.0,
+                "2 ranks: weights must equal one process's bit for bit"
+            );
+        } else {
+            // The ring adds the four shares in another order than one process accumulates its
+            // four micro-batches; AdamW's normalisation magnifies that rounding in elements
+            // whose gradient is mostly cancellation.
+            assert!(
+                worst <= 1e-6,
+                "4 ranks: weights within {worst} of one process's"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn demo(dir: &Path, edits: &[(&str, &str)]) -> PathBuf {
+    let mut all = vec![
+        // Two ranks share 32 prompts × 8 samples as 128 trajectories each: one micro-batch.
+        ("micro_batch_size = 256", "micro_batch_size = 128"),
+        ("save_every = 20", "save_every = 3"),
+        ("eval_every = 20", "eval_every = 5"),
+    ];
+    all.extend_from_slice(edits);
+    oxrl_fixtures::demo_config("arithmetic", &dir.join("grpo.toml"), &all)
+}
+
+/// Five steps of the arithmetic demo — sampling, rewards, advantages, update, validation — on
+/// two ranks equal one process's bit for bit; a two-rank run stopped after 3 steps and resumed
+/// by one process continues exactly.
+#[test]
+fn demo_on_two_ranks_equals_one_process_and_resumes_on_one() {
+    let dir = temp_dir("dp-demo");
+    let config = demo(&dir, &[("max_steps = 200", "max_steps = 5")]);
+    let (one, two, split) = (dir.join("one"), dir.join("two"), dir.join("split"));
+    ok(&single(&[
+        "train",
+        "--config",
+        s(&config),
+        "--output-dir",
+        s(&one),
+    ]));
+    let out = torchrun(
+        2,
+        &["train", "--config", s(&config), "--output-dir", s(&two)],
+    );
+    ok(&out);
+    let (m1, m2) = (metrics(&one), metrics(&two));
+    assert_eq!(m1.len(), m2.len());
+    for (a, b) in m1.iter().zip(&m2) {
+        for (key, x) in comparable(a) {
+            let y = b[&key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{key} missing on 2 ranks"));
+            // The engine's log-probs (not the tokens) vary in the last bits with the batch's
+            // composition: only their gap to the trainer's differs.
+            let tol = if key == "rollout_logprob_diff" {
+                1e-6
+            } else {
+                0.0
+            };
+            assert!((x - y).abs() <= tol, "step {}: {key} {x} vs {y}", a["step"]);
+        }
+    }
+    let w1 = tensors(&one.join("checkpoint-5"));
+    assert_eq!(
+        worst_relative(&w1, &tensors(&two.join("checkpoint-5"))),
+        0.0
+    );
+
+    // 3 steps on two ranks, then one process resumes for the last 2.
+    let out = torchrun(
+        2,
+        &[
+            "train",
+            "--config",
+            s(&config),
+            "--output-dir",
+            s(&split),
+            "--max-steps",
+            "3",
+        ],
+    );
+    ok(&out);
+    ok(&single(&[
+        "train",
+        "--config",
+        s(&config),
+        "--output-dir",
+        s(&split),
+        "--resume",
+    ]));
+    assert_eq!(
+        worst_relative(&w1, &tensors(&split.join("checkpoint-5"))),
+        0.0
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A rank killed mid-run (no torchrun to tear the group down) makes rank 0 stop at once with
+/// an error naming it, and the checkpoint written before stays complete.
+#[test]
+fn a_killed_rank_stops_the_run_with_a_clear_error() {
+    let dir = temp_dir("dp-kill");
+    let config = demo(
+        &dir,
+        &[
+            ("max_steps = 200", "max_steps = 100000"),
+            ("save_every = 3", "save_every = 1"),
+        ],
+    );
+    let out_dir = dir.join("out");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(oxrl())
+                .args(["train", "--config", s(&config), "--output-dir", s(&out_dir)])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Wait for a step or two.
+    let started = Instant::now();
+    while !out_dir.join("checkpoint-2").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no checkpoint in 120 s"
+        );
+        assert!(ranks[0].try_wait().unwrap().is_none(), "rank 0 ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ranks[1].kill().unwrap();
+    ranks[1].wait().unwrap();
+    let killed = Instant::now();
+    let out = ranks.remove(0).wait_with_output().unwrap();
+    assert!(
+        killed.elapsed() < Duration::from_secs(30),
+        "rank 0 hung after rank 1 died"
+    );
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 1") && stderr.contains("exited or crashed"),
+        "{stderr}"
+    );
+    // Whatever step it stopped in, the newest checkpoint is whole: a resume finds it.
+    let newest = std::fs::read_dir(&out_dir)
+        .unwrap()
+        .filter_map(|e| {
+            e.ok()?
+                .file_name()
+                .to_str()?
+                .strip_prefix("checkpoint-")?
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+        .unwrap();
+    assert!(out_dir
+        .join(format!("checkpoint-{newest}/model.safetensors"))
+        .exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn num_gpus_must_match_the_launch() {
+    let dir = temp_dir("dp-num-gpus");
+    let config = demo(&dir, &[("[model]\n", "num_gpus = 2\n[model]\n")]);
+    let alone = single(&[
+        "train",
+        "--config",
+        s(&config),
+        "--output-dir",
+        s(&dir.join("o")),
+    ]);
+    assert!(!alone.status.success());
+    let err = String::from_utf8_lossy(&alone.stderr);
+    assert!(
+        err.contains("num_gpus = 2") && err.contains("torchrun --nproc_per_node 2"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
