@@ -18,7 +18,8 @@
 #      weights): seconds per phase, tokens/s, TFLOP/s against the GPU's measured matmul peak, and
 #      the most GPU memory in use;
 #   5. `bench generate --device cuda` on W1 with 256 sequences (the issue's decode target:
-#      5,000 tokens/s on an H200) and on Qwen3-0.6B's shape in bf16.
+#      5,000 tokens/s on an H200) and on Qwen3-0.6B's shape in bf16;
+#   6. `dist-check --device cuda` in a group of one: an NCCL communicator, a checked all-reduce.
 # Each check prints PASS or FAIL with its figures; the whole report also goes to
 # $OUT/gpu-check.txt when $OUT is set. The exit status is non-zero if any check failed.
 # OXRL_GPU_CHECK_DEVICE=cpu rehearses `run` on a machine without a GPU (every "cuda" run on the
@@ -172,6 +173,12 @@ run_checks() {
     done
     pass_or_fail "generate qwen3-tiny greedy ($gpu vs cpu)" \
         generations_match "$work/greedy.cpu.jsonl" "$work/greedy.$gpu.jsonl"
+
+    # NCCL in a group of one (rank 0 serves the rendezvous store): a communicator on the GPU,
+    # a checked all-reduce and its time.
+    pass_or_fail "dist-check: NCCL, world size 1" \
+        env RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 \
+        timeout 60 "$oxrl" dist-check --device "$gpu" --megabytes 256
 
     pass_or_fail "bench grpo-step w1 f32" \
         timeout 150 "$oxrl" bench grpo-step --device "$gpu" --shape w1 --dtype f32

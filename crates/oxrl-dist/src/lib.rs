@@ -8,6 +8,8 @@ mod collective;
 mod env;
 mod error;
 mod hostlist;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod rendezvous;
 mod ring;
 mod store;
@@ -17,6 +19,8 @@ mod wire;
 pub use collective::{Collective, Solo};
 pub use env::{DistEnv, Launcher, DEFAULT_MASTER_PORT};
 pub use error::{DistError, Result};
+#[cfg(feature = "cuda")]
+pub use nccl::NcclCollective;
 pub use rendezvous::{Rendezvous, StoreHost};
 pub use ring::{chunk, Element, TcpRing};
 pub use store::StoreClient;
@@ -73,6 +77,21 @@ impl ProcessGroup {
             env,
             rendezvous: Some(rendezvous),
             collective: Arc::new(ring),
+        })
+    }
+
+    /// Joins the group `env` describes with NCCL between the ranks' GPUs (`device` is this
+    /// rank's), and the TCP ring beside it for host messages. A group of one builds a
+    /// communicator too (`oxrl dist-check --device cuda` checks NCCL on one GPU that way).
+    #[cfg(feature = "cuda")]
+    pub fn join_gpu(env: DistEnv, device: &candle_core::Device, timeout: Duration) -> Result<Self> {
+        let mut rendezvous = Rendezvous::join(&env, timeout)?;
+        let ring = TcpRing::connect(&mut rendezvous, env.rank, env.world_size, timeout)?;
+        let nccl = NcclCollective::join(&mut rendezvous, ring, device)?;
+        Ok(ProcessGroup {
+            env,
+            rendezvous: Some(rendezvous),
+            collective: Arc::new(nccl),
         })
     }
 

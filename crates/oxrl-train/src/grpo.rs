@@ -11,7 +11,6 @@ use crate::note;
 use crate::observe::{write_svg_chart, Gauges, MetricsLog, PhaseTimes, Progress};
 use crate::parallel::DataParallel;
 use crate::run_dir::RunDir;
-use crate::shares;
 use crate::state::{self, TrainerState};
 use crate::trajectory::Trajectory;
 use crate::update::{
@@ -587,23 +586,9 @@ impl GrpoRun {
         if self.trainer.parallel.is_single() {
             return Ok((completions, rewards));
         }
-        let shares = time.time("gather", || {
-            self.trainer
-                .parallel
-                .gather_bytes(&shares::encode(&completions, &rewards))
-        })?;
-        let mut all = Vec::with_capacity(rows.len());
-        let mut outcome: Option<RewardOutcome> = None;
-        for (rank, bytes) in shares.iter().enumerate() {
-            let (completions, rewards) = shares::decode(bytes, rank)?;
-            all.extend(completions);
-            match &mut outcome {
-                Some(o) => o.extend(rewards),
-                None => outcome = Some(rewards),
-            }
-        }
-        let outcome = outcome.ok_or_else(|| TrainError::Invalid("no rank sampled".into()))?;
-        Ok((all, outcome))
+        time.time("gather", || {
+            self.trainer.parallel.gather_samples(completions, rewards)
+        })
     }
 
     /// Adds DAPO's soft overlong punishment to every response's total reward, and reports it

@@ -7,9 +7,12 @@
 //! and applies the same update (plain data parallelism; the sharded optimizer of ZeRO-2 is the
 //! next stage, see `docs/distributed.md`).
 
+use crate::shares;
 use crate::update::Result;
 use candle_core::Tensor;
 use oxrl_dist::{chunk, Collective, Solo};
+use oxrl_reward::RewardOutcome;
+use oxrl_rollout::Completion;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -117,6 +120,40 @@ impl DataParallel {
             }
         }
         Ok(all)
+    }
+
+    /// Every rank's share of a sampling — its completions (per prompt) and their rewards —
+    /// put together in rank order: each rank returns the whole batch's, bit for bit.
+    pub fn gather_samples(
+        &self,
+        completions: Vec<Vec<Completion>>,
+        rewards: RewardOutcome,
+    ) -> Result<(Vec<Vec<Completion>>, RewardOutcome)> {
+        if self.is_single() {
+            return Ok((completions, rewards));
+        }
+        let shares = self.gather_bytes(&shares::encode(&completions, &rewards))?;
+        let mut all = Vec::new();
+        let mut outcome: Option<RewardOutcome> = None;
+        for (rank, bytes) in shares.iter().enumerate() {
+            let (completions, rewards) = shares::decode(bytes, rank)?;
+            all.extend(completions);
+            match &mut outcome {
+                Some(o) => o.extend(rewards),
+                None => outcome = Some(rewards),
+            }
+        }
+        Ok((all, outcome.unwrap_or_default()))
+    }
+
+    /// [`DataParallel::gather_samples`] without rewards.
+    pub fn gather_completions(
+        &self,
+        completions: Vec<Vec<Completion>>,
+    ) -> Result<Vec<Vec<Completion>>> {
+        Ok(self
+            .gather_samples(completions, RewardOutcome::default())?
+            .0)
     }
 
     /// Every rank's bytes, in rank order.

@@ -8,7 +8,7 @@ use candle_core::DType;
 use candle_core::Device;
 use oxrl_models::{CacheKind, DeviceSpec, PolicyModel, Qwen3, HOST};
 use oxrl_rollout::{Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams};
-use oxrl_train::{learn, PhaseTimes};
+use oxrl_train::{learn, DataParallel, PhaseTimes};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
@@ -521,7 +521,9 @@ fn matmul_peak_gflops(device: &Device, dtype: DType) -> Result<f64> {
 }
 
 fn grpo_step(b: GrpoStepBench) -> Result<()> {
-    let device = b.device.open()?;
+    // Under a launcher the step is data-parallel: each rank (on its own GPU, `cuda:LOCAL_RANK`)
+    // samples its share of the prompts and computes its share of the update.
+    let (group, device, _) = crate::dist_check::join(None, b.device)?;
     let dtype = b.dtype.dtype();
     let peak = matmul_peak_gflops(&device, dtype)?;
     let mut policy = shaped_model(b.shape, 0, dtype, &device)?;
@@ -545,25 +547,29 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         b.micro_batch_size,
         b.steps as u64,
     )?;
+    trainer.parallel = DataParallel::new(group.collective());
     let mut engine = LocalEngine::new(Arc::from(trainer.policy.detached()), None, Vec::new());
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let prompts = w1_prompts(b.prompts, trainer.policy.vocab_size(), &mut rng);
+    let share = trainer.parallel.share(prompts.len());
     let params = SamplingParams {
         n: b.n,
         max_new_tokens: b.new_tokens,
         ignore_eos: true,
+        first_prompt: share.start as u64,
         ..Default::default()
     };
     let mut timed: Vec<std::collections::BTreeMap<String, f64>> = Vec::new();
     for step in 0..b.steps {
         let start = Instant::now();
-        let out = engine.generate(
-            &prompts,
+        let mine = engine.generate(
+            &prompts[share.clone()],
             &SamplingParams {
                 seed: step as u64,
                 ..params.clone()
             },
         )?;
+        let out = trainer.parallel.gather_completions(mine)?;
         let rollout = start.elapsed().as_secs_f64();
         let trajs = random_reward_trajectories(&prompts, &[], &out, &mut rng);
         let mut time = PhaseTimes::default();
@@ -572,7 +578,9 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         engine.sync_weights(trainer.policy.as_ref(), trainer.weight_version)?;
         m.insert("time/rollout".into(), rollout);
         m.insert("time/step".into(), start.elapsed().as_secs_f64());
-        oxrl_train::note!("step {}: {:.2} s", step + 1, m["time/step"]);
+        if trainer.parallel.is_main() {
+            oxrl_train::note!("step {}: {:.2} s", step + 1, m["time/step"]);
+        }
         timed.push(m);
     }
     let counted = if timed.len() > 1 {
@@ -613,8 +621,15 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
     let lora = b.lora_rank.map_or(String::new(), |r| {
         format!(" LoRA rank {r} ({trainable} trainable)")
     });
+    if !trainer.parallel.is_main() {
+        return Ok(());
+    }
+    let ranks = match trainer.parallel.world_size() {
+        1 => String::new(),
+        w => format!(" on {w} ranks"),
+    };
     let setup = format!(
-        "{:?} {} {:?}{checkpointing}{lora}",
+        "{:?} {} {:?}{checkpointing}{lora}{ranks}",
         b.shape, b.device, b.dtype
     )
     .to_lowercase();

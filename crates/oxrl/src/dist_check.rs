@@ -7,6 +7,7 @@ use crate::output::say;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use oxrl_dist::{Collective, DistEnv, ProcessGroup};
+use oxrl_models::DeviceSpec;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,9 @@ pub struct DistCheckArgs {
     /// One JSON object on stdout (rank 0) instead of the table.
     #[arg(long)]
     json: bool,
+    /// cpu (the TCP ring), or cuda (NCCL between the ranks' GPUs: cuda:LOCAL_RANK).
+    #[arg(long, default_value_t = DeviceSpec::Cpu)]
+    device: DeviceSpec,
 }
 
 #[derive(clap::Args)]
@@ -36,30 +40,65 @@ pub struct AllReduceBench {
     iters: usize,
     #[arg(long)]
     json: bool,
+    /// cpu (the TCP ring), or cuda (NCCL between the ranks' GPUs: cuda:LOCAL_RANK).
+    #[arg(long, default_value_t = DeviceSpec::Cpu)]
+    device: DeviceSpec,
 }
 
-/// Joins the group this process's launcher describes.
-fn join(timeout: Option<f64>) -> Result<ProcessGroup> {
+/// A GPU rank trains on its own GPU: `cuda:LOCAL_RANK`, or `cuda:0` when the launcher shows
+/// each process one GPU (`CUDA_VISIBLE_DEVICES` with one entry, as Ray and Slurm's
+/// `--gpus-per-task=1` do).
+pub(crate) fn rank_device(device: DeviceSpec, env: &DistEnv) -> DeviceSpec {
+    match device {
+        DeviceSpec::Cuda(_) if env.world_size > 1 => {
+            let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
+            let one_visible = !visible.is_empty() && !visible.contains(',');
+            DeviceSpec::Cuda(if one_visible { 0 } else { env.local_rank })
+        }
+        other => other,
+    }
+}
+
+/// Joins the group this process's launcher describes: NCCL on `device` when it is a GPU (the
+/// CUDA build), the TCP ring otherwise.
+pub(crate) fn join(
+    timeout: Option<f64>,
+    device: DeviceSpec,
+) -> Result<(ProcessGroup, Device, DeviceSpec)> {
     let env = DistEnv::from_env()?;
+    let spec = rank_device(device, &env);
+    let device = spec.open()?;
     let timeout = match timeout {
         Some(s) if s.is_finite() && s > 0.0 => Duration::from_secs_f64(s),
         Some(s) => bail!("--timeout {s}: expected a positive number of seconds"),
         None => oxrl_dist::timeout_from_env()?,
     };
     let (rank, world) = (env.rank, env.world_size);
-    ProcessGroup::join_cpu(env, timeout)
-        .with_context(|| format!("rank {rank} of {world} joining the process group"))
+    let joined = match &device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => ProcessGroup::join_gpu(env, &device, timeout),
+        _ => ProcessGroup::join_cpu(env, timeout),
+    };
+    let group =
+        joined.with_context(|| format!("rank {rank} of {world} joining the process group"))?;
+    Ok((group, device, spec))
 }
 
-/// Seconds per all-reduce of `bytes` of f32, the mean of `iters` after a warm-up.
-fn time_all_reduce(group: &dyn Collective, bytes: usize, iters: usize) -> Result<f64> {
-    let t = Tensor::ones(bytes / 4, DType::F32, &Device::Cpu)?;
+/// Seconds per all-reduce of `bytes` of f32 on `device`, the mean of `iters` after a warm-up.
+fn time_all_reduce(
+    group: &dyn Collective,
+    bytes: usize,
+    iters: usize,
+    device: &Device,
+) -> Result<f64> {
+    let t = Tensor::ones(bytes / 4, DType::F32, device)?;
     group.all_reduce_sum(&t)?;
     group.barrier()?;
     let started = Instant::now();
     for _ in 0..iters.max(1) {
         group.all_reduce_sum(&t)?;
     }
+    device.synchronize()?;
     Ok(started.elapsed().as_secs_f64() / iters.max(1) as f64)
 }
 
@@ -78,7 +117,7 @@ fn host_name() -> String {
 }
 
 pub fn run(args: DistCheckArgs) -> Result<()> {
-    let mut process_group = join(args.timeout)?;
+    let (mut process_group, device, spec) = join(args.timeout, args.device)?;
     let env = process_group.env().clone();
     let store = process_group
         .rendezvous()
@@ -87,13 +126,13 @@ pub fn run(args: DistCheckArgs) -> Result<()> {
     let world = env.world_size;
 
     // Rank r contributes r + 1 everywhere: every element must come back as W(W + 1)/2.
-    let probe = Tensor::full((env.rank + 1) as f32, 4096, &Device::Cpu)?;
+    let probe = Tensor::full((env.rank + 1) as f32, 4096, &device)?;
     let summed = group.all_reduce_sum(&probe)?.to_vec1::<f32>()?;
     let expected = (world * (world + 1) / 2) as f32;
     let all_reduce_ok = summed.iter().all(|v| *v == expected);
 
     let bytes = (args.megabytes * (1 << 20) as f64) as usize / 4 * 4;
-    let seconds = time_all_reduce(group.as_ref(), bytes, args.iters)?;
+    let seconds = time_all_reduce(group.as_ref(), bytes, args.iters, &device)?;
     let (algbw, busbw) = bandwidths(bytes, seconds, world);
 
     let me = json!({
@@ -102,7 +141,7 @@ pub fn run(args: DistCheckArgs) -> Result<()> {
         "local_world_size": env.local_world_size,
         "host": host_name(),
         "pid": std::process::id(),
-        "device": "cpu",
+        "device": spec.to_string(),
         "all_reduce_ok": all_reduce_ok,
     });
     let ranks: Vec<Value> = group
@@ -177,7 +216,7 @@ pub fn run(args: DistCheckArgs) -> Result<()> {
 }
 
 pub fn bench(args: AllReduceBench) -> Result<()> {
-    let process_group = join(None)?;
+    let (process_group, device, _) = join(None, args.device)?;
     let env = process_group.env().clone();
     if env.world_size == 1 {
         bail!(
@@ -192,7 +231,7 @@ pub fn bench(args: AllReduceBench) -> Result<()> {
             bail!("--sizes {mb}: expected positive sizes in MiB");
         }
         let bytes = ((mb * (1 << 20) as f64) as usize / 4 * 4).max(4);
-        let seconds = time_all_reduce(group.as_ref(), bytes, args.iters)?;
+        let seconds = time_all_reduce(group.as_ref(), bytes, args.iters, &device)?;
         let (algbw, busbw) = bandwidths(bytes, seconds, env.world_size);
         rows.push(json!({
             "transport": group.transport(),

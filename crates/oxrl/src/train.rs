@@ -128,12 +128,12 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
     let mut cfg = load(&path, args.max_steps, args.output_dir, args.device)?;
     let env = DistEnv::from_env()?;
     check_world_size(&cfg, &env)?;
-    cfg.device = rank_device(cfg.device, &env);
+    cfg.device = crate::dist_check::rank_device(cfg.device, &env);
     if !args.skip_memory_check {
         check_memory(&cfg)?;
     }
     // Held for the run: rank 0's rendezvous store serves the group while it trains.
-    let group = join_group(env)?;
+    let group = join_group(env, cfg.device)?;
     let parallel = DataParallel::new(group.collective());
     let main = parallel.is_main();
     if let Some(rollouts) = args.rollouts {
@@ -173,12 +173,17 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The group this process's launcher started it in (one process without a launcher).
-fn join_group(env: DistEnv) -> Result<ProcessGroup> {
+/// The group this process's launcher started it in (one process without a launcher): NCCL
+/// between GPU ranks in the CUDA build, the TCP ring between CPU ranks.
+fn join_group(env: DistEnv, device: DeviceSpec) -> Result<ProcessGroup> {
     let (rank, world) = (env.rank, env.world_size);
     let timeout = oxrl_dist::timeout_from_env()?;
-    ProcessGroup::join_cpu(env, timeout)
-        .with_context(|| format!("rank {rank} of {world} joining the process group"))
+    let joined = match device {
+        #[cfg(feature = "cuda")]
+        DeviceSpec::Cuda(_) if world > 1 => ProcessGroup::join_gpu(env, &device.open()?, timeout),
+        _ => ProcessGroup::join_cpu(env, timeout),
+    };
+    joined.with_context(|| format!("rank {rank} of {world} joining the process group"))
 }
 
 /// `num_gpus` is the number of processes the launcher must start: a run that asks for
@@ -203,20 +208,6 @@ fn check_world_size(cfg: &RunConfig, env: &DistEnv) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// A GPU rank trains on its own GPU: `cuda:LOCAL_RANK`, or `cuda:0` when the launcher shows
-/// each process one GPU (`CUDA_VISIBLE_DEVICES` with one entry, as Ray and Slurm's
-/// `--gpus-per-task=1` do).
-fn rank_device(device: DeviceSpec, env: &DistEnv) -> DeviceSpec {
-    match device {
-        DeviceSpec::Cuda(_) if env.world_size > 1 => {
-            let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
-            let one_visible = !visible.is_empty() && !visible.contains(',');
-            DeviceSpec::Cuda(if one_visible { 0 } else { env.local_rank })
-        }
-        other => other,
-    }
 }
 
 pub fn sft(args: SftArgs, interrupt: &Interrupt) -> Result<ExitCode> {
