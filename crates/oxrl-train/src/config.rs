@@ -82,6 +82,8 @@ pub struct RunConfig {
     pub freeze_vision: bool,
     /// Recompute each decoder layer in the backward instead of keeping its activations.
     pub gradient_checkpointing: bool,
+    /// Data-parallel runs: 2 shards the optimizer state and gradients (ZeRO-2), 0 does not.
+    pub zero_stage: u8,
     /// `[model.lora]`: train LoRA adapters instead of every weight (when `rank` is set).
     pub lora: Option<LoraConfig>,
     pub reference_path: Option<String>,
@@ -298,6 +300,14 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         shuffle: given.value("data.shuffle"),
     };
 
+    let zero_stage = given.value::<u32>("trainer.zero_stage") as u8;
+    if zero_stage == 1 {
+        return Err(given.bad(
+            "trainer.zero_stage",
+            "1 is not offered: 2 splits the optimizer state as 1 would, and the gradients too; use 0 or 2",
+        ));
+    }
+
     let stem = given
         .path
         .file_stem()
@@ -449,6 +459,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         max_staleness: given.value("trainer.max_staleness"),
         freeze_vision: given.value("model.freeze_vision"),
         gradient_checkpointing: given.value("trainer.gradient_checkpointing"),
+        zero_stage,
         lora: lora(given)?,
         reference_path: given.get("reference.path").map(local_or_hub),
         data,
@@ -541,6 +552,18 @@ mod tests {
         assert!(!parse(base).unwrap().gradient_checkpointing);
         let on = parse(&format!("{base}[trainer]\ngradient_checkpointing = true\n")).unwrap();
         assert!(on.gradient_checkpointing);
+    }
+
+    #[test]
+    fn data_parallel_keys() {
+        let c = parse("policy_model = \"m\"\nnum_gpus = 8\n").unwrap();
+        assert_eq!((c.num_gpus, c.zero_stage), (Some(8), 2));
+        let c = parse("policy_model = \"m\"\n[trainer]\nzero_stage = 0\n").unwrap();
+        assert_eq!(c.zero_stage, 0);
+        let e = parse("policy_model = \"m\"\n[trainer]\nzero_stage = 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("zero_stage") && e.contains("use 0 or 2") && e.contains(":3"), "{e}");
     }
 
     #[test]

@@ -322,9 +322,12 @@ impl GrpoRun {
         };
         let mut trainer = build_trainer(&cfg, &policy_dir, &device, trainer_state.is_some())?;
         trainer.parallel = parallel;
+        if cfg.zero_stage == 2 {
+            trainer.shard_optimizer()?;
+        }
         let (step, cursor) = match &trainer_state {
             Some(s) => {
-                state::load_optimizer(&policy_dir, &mut trainer, s.optimizer_step)?;
+                state::load_optimizer(&policy_dir, &mut trainer, s)?;
                 note!("resuming from {} (step {})", policy_dir.display(), s.step);
                 (s.step, s.data)
             }
@@ -455,17 +458,22 @@ impl GrpoRun {
         })
     }
 
-    /// Rank 0 writes a checkpoint (every rank holds the same weights and optimizer state);
-    /// `None` on the other ranks.
+    /// Rank 0 writes a checkpoint (every rank holds the same weights), with the whole optimizer
+    /// state or, under ZeRO-2, every rank's part of it; `None` on the other ranks.
     fn save(&self) -> Result<Option<PathBuf>> {
         if !self.trainer.parallel.is_main() {
+            // ZeRO-2: every rank adds its part of the optimizer state.
+            if self.trainer.zero.is_some() {
+                state::save_optimizer_shard(&self.trainer)?;
+            }
             return Ok(None);
         }
         let s = TrainerState {
             step: self.step,
-            optimizer_step: self.trainer.optimizer.steps(),
+            optimizer_step: self.trainer.optimizer_steps(),
             data: self.order.cursor,
             seed: self.cfg.seed,
+            optimizer_shards: None,
         };
         state::save(
             &self.cfg.output_dir,
@@ -1058,22 +1066,29 @@ pub fn replay_parallel(
     };
     let mut trainer = build_trainer(cfg, &model_dir, &open_device(cfg)?, false)?;
     trainer.parallel = parallel;
+    if cfg.zero_stage == 2 {
+        trainer.shard_optimizer()?;
+    }
     let mut time = PhaseTimes::default();
     let learned = learn(&mut trainer, &trajs, &mut time)?;
     let mut m = learned_metrics(learned, &trajs);
     m.extend(time.into_metrics());
     if run_dir.is_none() {
+        if trainer.zero.is_some() {
+            state::save_optimizer_shard(&trainer)?;
+        }
         return Ok(m);
     }
     MetricsLog::open(&cfg.output_dir.join("metrics.jsonl"), 0)?.append(&m, 1)?;
     let s = TrainerState {
         step: 1,
-        optimizer_step: trainer.optimizer.steps(),
+        optimizer_step: trainer.optimizer_steps(),
         data: DataCursor {
             epoch: 0,
             position: 0,
         },
         seed: cfg.seed,
+        optimizer_shards: None,
     };
     state::save(&cfg.output_dir, &trainer, &s, Some(&model_dir))?;
     Ok(m)

@@ -21,6 +21,7 @@ mod shares;
 pub mod state;
 pub mod trajectory;
 pub mod update;
+pub mod zero;
 
 pub use config::{ConfigError, RunConfig};
 pub use grpo::{advantages, learn, replay, replay_parallel, GrpoRun, Learned, RunSummary};

@@ -161,6 +161,17 @@ impl DataParallel {
         Ok(self.group.all_gather_bytes(mine)?)
     }
 
+    /// The sum over ranks of a flat tensor (its length a multiple of the world size); this
+    /// rank keeps its W-th ([`DataParallel::share`] of the elements).
+    pub fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(self.group.reduce_scatter_sum(t)?)
+    }
+
+    /// Every rank's flat part, end to end in rank order.
+    pub fn all_gather(&self, part: &Tensor) -> Result<Tensor> {
+        Ok(self.group.all_gather(part)?)
+    }
+
     /// Sums host numbers over ranks in place.
     pub fn sum(&self, values: &mut [f64]) -> Result<()> {
         Ok(self.group.all_reduce_host(values)?)

@@ -184,7 +184,7 @@ pub fn run(cfg: &RunConfig, resume: bool, interrupt: &Interrupt) -> Result<SftSu
     let (mut step, cursor) = match &resumed {
         Some((_, dir)) => {
             let s = state::load_state(dir)?;
-            state::load_optimizer(dir, &mut trainer, s.optimizer_step)?;
+            state::load_optimizer(dir, &mut trainer, &s)?;
             (s.step, s.data)
         }
         None => (
@@ -205,9 +205,10 @@ pub fn run(cfg: &RunConfig, resume: bool, interrupt: &Interrupt) -> Result<SftSu
     let save = |trainer: &crate::PolicyTrainer, step: u64, cursor| -> Result<PathBuf> {
         let s = TrainerState {
             step,
-            optimizer_step: trainer.optimizer.steps(),
+            optimizer_step: trainer.optimizer_steps(),
             data: cursor,
             seed: cfg.seed,
+            optimizer_shards: None,
         };
         state::save(&cfg.output_dir, trainer, &s, Some(&model_dir))
     };

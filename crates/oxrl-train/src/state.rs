@@ -26,6 +26,47 @@ pub struct TrainerState {
     pub optimizer_step: u64,
     pub data: DataCursor,
     pub seed: u64,
+    /// ZeRO-2: the number of ranks whose parts of the optimizer state the checkpoint holds
+    /// (`optimizer-rank-R-of-W.safetensors`); absent when it holds the whole state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_shards: Option<usize>,
+}
+
+/// The file rank `rank` of `world` writes its part of the optimizer state to.
+pub fn optimizer_shard_file(rank: usize, world: usize) -> String {
+    format!("optimizer-rank-{rank}-of-{world}.safetensors")
+}
+
+/// Writes this rank's part of the optimizer state into `dir` (a checkpoint being written).
+fn write_optimizer_shard(trainer: &PolicyTrainer, dir: &Path) -> Result<()> {
+    let Some(zero) = &trainer.zero else {
+        return Ok(());
+    };
+    let (rank, world) = zero.owner();
+    let part = zero.state()?;
+    let mut tensors = HashMap::new();
+    for (name, data) in [
+        ("master", &part.master),
+        ("exp_avg", &part.exp_avg),
+        ("exp_avg_sq", &part.exp_avg_sq),
+    ] {
+        tensors.insert(
+            name.to_string(),
+            Tensor::from_slice(data, data.len(), &HOST)?,
+        );
+    }
+    save_safetensors_synced(&tensors, &dir.join(optimizer_shard_file(rank, world)))?;
+    Ok(())
+}
+
+/// A rank other than 0 taking part in a ZeRO-2 checkpoint: it learns the directory rank 0 is
+/// writing, adds its part of the optimizer state, and waits until every rank has.
+pub fn save_optimizer_shard(trainer: &PolicyTrainer) -> Result<()> {
+    let dirs = trainer.parallel.gather_bytes(&[])?;
+    let dir = PathBuf::from(String::from_utf8_lossy(&dirs[0]).into_owned());
+    write_optimizer_shard(trainer, &dir)?;
+    trainer.parallel.any(false)?;
+    Ok(())
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> ModelError + '_ {
@@ -44,7 +85,28 @@ pub fn save(
 ) -> Result<PathBuf> {
     let dir = out_dir.join(format!("checkpoint-{}", state.step));
     let optimizer = trainer.optimizer.state()?;
+    let sharded = |tmp: &Path| -> Result<()> {
+        // Every other rank writes its part into the directory being written, then all meet.
+        trainer
+            .parallel
+            .gather_bytes(tmp.display().to_string().as_bytes())?;
+        write_optimizer_shard(trainer, tmp)?;
+        trainer.parallel.any(false)?;
+        Ok(())
+    };
     let extra = |tmp: &Path| -> oxrl_models::Result<()> {
+        if trainer.zero.is_some() {
+            sharded(tmp).map_err(|e| ModelError::Io {
+                path: tmp.to_path_buf(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            let state = TrainerState {
+                optimizer_shards: Some(trainer.parallel.world_size()),
+                ..state.clone()
+            };
+            let json = serde_json::to_string_pretty(&state).unwrap_or_default();
+            return write_synced(&tmp.join(TRAINER_STATE), json.as_bytes());
+        }
         let mut tensors = HashMap::new();
         for ((name, _), p) in trainer.vars().iter().zip(&optimizer) {
             for (suffix, data) in [
@@ -103,8 +165,49 @@ pub fn load_state(dir: &Path) -> Result<TrainerState> {
     serde_json::from_str(&text).map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))
 }
 
-/// Restores the optimizer's master weights and moments from a checkpoint.
-pub fn load_optimizer(dir: &Path, trainer: &mut PolicyTrainer, optimizer_step: u64) -> Result<()> {
+/// Restores the optimizer's master weights and moments from a checkpoint: the whole state (a
+/// ZeRO-2 group takes its parts of it, at any world size), or this rank's part of a ZeRO-2
+/// checkpoint written by as many ranks.
+pub fn load_optimizer(dir: &Path, trainer: &mut PolicyTrainer, state: &TrainerState) -> Result<()> {
+    let optimizer_step = state.optimizer_step;
+    if let Some(shards) = state.optimizer_shards {
+        let (rank, world) = match &trainer.zero {
+            Some(zero) => zero.owner(),
+            None => (0, 1),
+        };
+        if shards != world || trainer.zero.is_none() {
+            return Err(TrainError::Invalid(format!(
+                "{}: holds the optimizer state as the parts of {shards} ranks (ZeRO-2), and this \
+                 run has {} rank(s){}: resume it with {shards} ranks",
+                dir.display(),
+                trainer.parallel.world_size(),
+                if trainer.zero.is_none() {
+                    " without ZeRO-2"
+                } else {
+                    ""
+                }
+            )));
+        }
+        let path = dir.join(optimizer_shard_file(rank, world));
+        let mut tensors = candle_core::safetensors::load(&path, &HOST).map_err(|source| {
+            ModelError::Safetensors {
+                path: path.clone(),
+                source,
+            }
+        })?;
+        let mut take = |name: &str| -> Result<Vec<f32>> {
+            let t = tensors.remove(name).ok_or_else(|| {
+                TrainError::Invalid(format!("{}: missing `{name}`", path.display()))
+            })?;
+            Ok(t.to_vec1::<f32>()?)
+        };
+        let part = ParamState {
+            master: take("master")?,
+            exp_avg: take("exp_avg")?,
+            exp_avg_sq: take("exp_avg_sq")?,
+        };
+        return trainer.restore_optimizer_shard(part, optimizer_step);
+    }
     let path = dir.join(OPTIMIZER_STATE);
     let mut tensors =
         candle_core::safetensors::load(&path, &HOST).map_err(|source| ModelError::Safetensors {

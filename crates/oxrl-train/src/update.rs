@@ -10,13 +10,15 @@
 
 use crate::loss::{micro_batch_loss, LossMetrics, MicroBatch};
 use crate::optim::{
-    adamw_on, clip_grad_norm, squared_norms, AdamW, AdamWConfig, LrSchedule, Optimizer,
+    adamw_on, clip_grad_norm, squared_norms, AdamW, AdamWConfig, LrSchedule, Optimizer, ParamState,
 };
 use crate::parallel::DataParallel;
 use crate::trajectory::Trajectory;
+use crate::zero::{ZeroLayout, ZeroOptimizer};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use oxrl_algo::{AdvantageConfig, BatchTotals, KlEstimator, LossAgg, PolicyLossConfig};
+use oxrl_dist::chunk;
 use oxrl_models::{checkpoint, BatchLogprobs, Entropy, PolicyModel, ScoreRequest};
 use oxrl_rollout::WeightVersion;
 use std::collections::{BTreeMap, HashMap};
@@ -106,6 +108,9 @@ pub struct PolicyTrainer {
     pub max_staleness: u64,
     /// The data-parallel group this trainer shares steps with (one process by default).
     pub parallel: DataParallel,
+    /// ZeRO-2: this rank's part of the optimizer state, when the group shards it (then
+    /// `optimizer` holds nothing).
+    pub zero: Option<ZeroOptimizer>,
 }
 
 /// What one optimizer step did.
@@ -289,6 +294,7 @@ impl PolicyTrainer {
             weight_version: WeightVersion::default(),
             max_staleness: 0,
             parallel: DataParallel::default(),
+            zero: None,
         };
         trainer.restore_optimizer(AdamW::new(trainer.update.optimizer, initial))?;
         Ok(trainer)
@@ -300,7 +306,7 @@ impl PolicyTrainer {
     /// weight near 1 is below bf16's spacing there (2⁻⁸) and would otherwise be lost. Nothing
     /// to do for an f32 policy.
     pub fn master_weights_from(&mut self, dir: &std::path::Path) -> Result<()> {
-        if self.optimizer.steps() > 0 {
+        if self.optimizer_steps() > 0 {
             return Err(TrainError::Invalid(
                 "master weights are taken from a checkpoint before the first step only".into(),
             ));
@@ -354,10 +360,62 @@ impl PolicyTrainer {
     }
 
     /// Puts `state` (host f32 master weights and moments, in variable order) in charge of the
-    /// weights: the host AdamW on a CPU, the tensor AdamW on the policy's device elsewhere.
+    /// weights: the host AdamW on a CPU, the tensor AdamW on the policy's device elsewhere; under
+    /// ZeRO-2, this rank's part of it.
     pub fn restore_optimizer(&mut self, state: AdamW) -> Result<()> {
+        if let Some(zero) = &self.zero {
+            let layout = zero.layout.clone();
+            self.zero = Some(ZeroOptimizer::new(layout, &state, self.policy.device())?);
+            return Ok(());
+        }
         let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
         self.optimizer = adamw_on(self.policy.device(), state, &vars)?;
+        Ok(())
+    }
+
+    /// ZeRO-2: resumes this rank's part of the optimizer state, saved by the same rank of a
+    /// group of the same size.
+    pub fn restore_optimizer_shard(&mut self, part: ParamState, step: u64) -> Result<()> {
+        let Some(zero) = &self.zero else {
+            return Err(TrainError::Invalid(
+                "an optimizer shard for a run without ZeRO-2".into(),
+            ));
+        };
+        let layout = zero.layout.clone();
+        let device = self.policy.device().clone();
+        self.zero = Some(ZeroOptimizer::from_shard(
+            layout,
+            self.update.optimizer,
+            step,
+            part,
+            &device,
+        )?);
+        Ok(())
+    }
+
+    /// Optimizer steps taken.
+    pub fn optimizer_steps(&self) -> u64 {
+        match &self.zero {
+            Some(zero) => zero.steps(),
+            None => self.optimizer.steps(),
+        }
+    }
+
+    /// ZeRO-2 over the trainer's data-parallel group: each rank keeps its part of the current
+    /// optimizer state and drops the rest. Nothing to do in a group of one.
+    pub fn shard_optimizer(&mut self) -> Result<()> {
+        if self.parallel.is_single() || self.zero.is_some() {
+            return Ok(());
+        }
+        let state = AdamW {
+            config: self.update.optimizer,
+            step: self.optimizer.steps(),
+            params: self.optimizer.state()?,
+        };
+        let sizes: Vec<usize> = self.vars.iter().map(|(_, v)| v.elem_count()).collect();
+        let layout = ZeroLayout::new(&sizes, self.parallel.rank(), self.parallel.world_size());
+        self.zero = Some(ZeroOptimizer::new(layout, &state, self.policy.device())?);
+        self.optimizer = Box::new(AdamW::new(self.update.optimizer, Vec::new()));
         Ok(())
     }
 
@@ -459,7 +517,26 @@ impl PolicyTrainer {
                     loss_scale_factor: self.algorithm.loss_scale_factor,
                 };
                 let share = &batch[self.parallel.share(batch.len())];
-                for micro in share.chunks(self.update.micro_batch_size.max(1)) {
+                let micro_len = self.update.micro_batch_size.max(1);
+                let mut micros = share.chunks(micro_len);
+                // ZeRO-2 reduce-scatters every micro-batch's gradients as it ends; every rank
+                // takes part in as many rounds as the busiest one (a rank with fewer
+                // micro-batches sends zeros).
+                let rounds = match self.zero.is_some() {
+                    true => (0..self.parallel.world_size())
+                        .map(|r| chunk(r, batch.len(), self.parallel.world_size()).len())
+                        .max()
+                        .unwrap_or(0)
+                        .div_ceil(micro_len),
+                    false => share.len().div_ceil(micro_len),
+                };
+                let mut shard_acc: Option<Tensor> = None;
+                for _ in 0..rounds {
+                    let Some(micro) = micros.next() else {
+                        let zeros = self.local_gradients(vec![None; self.vars.len()])?;
+                        self.accumulate_shard(&mut shard_acc, zeros)?;
+                        continue;
+                    };
                     let (loss, m, out) =
                         self.micro_batch(trajs, micro, advantages, old, reference, &totals)?;
                     let mut at = 0;
@@ -472,9 +549,22 @@ impl PolicyTrainer {
                         at += n;
                     }
                     sums.add(m.metrics);
-                    self.accumulate(&mut acc, &out.backward(&loss)?)?;
+                    let grads = out.backward(&loss)?;
+                    match self.zero.is_some() {
+                        true => {
+                            let mut one: Vec<Option<Tensor>> = vec![None; self.vars.len()];
+                            self.accumulate(&mut one, &grads)?;
+                            drop(grads);
+                            let full = self.local_gradients(one)?;
+                            self.accumulate_shard(&mut shard_acc, full)?;
+                        }
+                        false => self.accumulate(&mut acc, &grads)?,
+                    }
                 }
-                let applied = self.apply(acc)?;
+                let applied = match shard_acc {
+                    Some(shard) => self.apply_sharded(shard)?,
+                    None => self.apply(acc)?,
+                };
                 report.grad_norm_per_param = applied.per_param;
                 sums.grad_norm += applied.grad_norm;
                 sums.optimizer_steps += 1;
@@ -563,8 +653,15 @@ impl PolicyTrainer {
     /// reach it), summed over the data-parallel group. This is the one place gradients are
     /// read after the backward passes.
     pub fn reduce_gradients(&self, acc: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
-        let mut grads = self
-            .vars
+        let mut grads = self.local_gradients(acc)?;
+        self.parallel.sum_gradients(&mut grads)?;
+        Ok(grads)
+    }
+
+    /// This rank's accumulated gradients, one f32 tensor per parameter (zeros where the loss
+    /// did not reach it).
+    fn local_gradients(&self, acc: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
+        self.vars
             .iter()
             .zip(acc)
             .map(|((_, var), g)| match g {
@@ -575,9 +672,7 @@ impl PolicyTrainer {
                     var.as_tensor().device(),
                 )?),
             })
-            .collect::<Result<Vec<_>>>()?;
-        self.parallel.sum_gradients(&mut grads)?;
-        Ok(grads)
+            .collect()
     }
 
     /// Reduces and clips the accumulated gradients and takes one optimizer step, which writes
@@ -598,15 +693,72 @@ impl PolicyTrainer {
                 "gradient norm is {grad_norm}: the update was skipped to keep the weights intact"
             )));
         }
-        let u = &self.update;
-        let lr = u.lr_schedule.lr(
-            u.optimizer.lr,
-            self.optimizer.steps(),
-            u.warmup_steps,
-            u.total_steps,
-        );
+        let lr = self.scheduled_lr();
         let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
         self.optimizer.update(&vars, &grads, lr)?;
+        Ok(Applied {
+            grad_norm,
+            lr,
+            per_param,
+        })
+    }
+
+    /// The learning rate of the next optimizer step.
+    fn scheduled_lr(&self) -> f64 {
+        let u = &self.update;
+        u.lr_schedule.lr(
+            u.optimizer.lr,
+            self.optimizer_steps(),
+            u.warmup_steps,
+            u.total_steps,
+        )
+    }
+
+    /// ZeRO-2: reduce-scatters one micro-batch's gradients (`grads`, one per parameter) and adds
+    /// this rank's part to `shard_acc`; the full gradients are dropped.
+    fn accumulate_shard(&self, shard_acc: &mut Option<Tensor>, grads: Vec<Tensor>) -> Result<()> {
+        let Some(zero) = &self.zero else {
+            return Err(TrainError::Invalid(
+                "ZeRO-2 accumulation without a sharded optimizer".into(),
+            ));
+        };
+        let part = zero.reduce_scatter(&grads, &self.parallel)?;
+        *shard_acc = Some(match shard_acc.take() {
+            Some(prev) => (prev + part)?,
+            None => part,
+        });
+        Ok(())
+    }
+
+    /// [`PolicyTrainer::apply`] under ZeRO-2 with this rank's part of the summed gradients:
+    /// the global norm from every rank's partial sums, clipping and AdamW on this rank's part,
+    /// all-gather of the new weights.
+    fn apply_sharded(&mut self, mut shard: Tensor) -> Result<Applied> {
+        let lr = self.scheduled_lr();
+        let Some(zero) = self.zero.as_mut() else {
+            return Err(TrainError::Invalid(
+                "ZeRO-2 step without a sharded optimizer".into(),
+            ));
+        };
+        let squared = zero.squared_norms(&shard, &self.parallel)?;
+        let per_param = self
+            .vars
+            .iter()
+            .zip(&squared)
+            .map(|((name, _), sq)| (name.clone(), sq.sqrt()))
+            .collect();
+        let grad_norm = clip_grad_norm(
+            std::slice::from_mut(&mut shard),
+            &squared,
+            self.update.max_grad_norm,
+        )?;
+        if !grad_norm.is_finite() {
+            return Err(TrainError::Invalid(format!(
+                "gradient norm is {grad_norm}: the update was skipped to keep the weights intact"
+            )));
+        }
+        let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
+        zero.step(&vars, &shard, lr, &self.parallel)?;
         Ok(Applied {
             grad_norm,
             lr,

@@ -59,6 +59,21 @@ pub(crate) fn rank_device(device: DeviceSpec, env: &DistEnv) -> DeviceSpec {
     }
 }
 
+/// CPU ranks on one machine share its cores: unless `RAYON_NUM_THREADS` says otherwise, each
+/// computes with cores / `LOCAL_WORLD_SIZE` threads (torchrun's `OMP_NUM_THREADS=1` is not a
+/// variable candle reads). Called before the first tensor operation.
+pub(crate) fn share_cores(env: &DistEnv, device: DeviceSpec) {
+    if env.local_world_size <= 1
+        || device != DeviceSpec::Cpu
+        || std::env::var_os("RAYON_NUM_THREADS").is_some()
+    {
+        return;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / env.local_world_size).max(1);
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+}
+
 /// Joins the group this process's launcher describes: NCCL on `device` when it is a GPU (the
 /// CUDA build), the TCP ring otherwise.
 pub(crate) fn join(
@@ -67,6 +82,7 @@ pub(crate) fn join(
 ) -> Result<(ProcessGroup, Device, DeviceSpec)> {
     let env = DistEnv::from_env()?;
     let spec = rank_device(device, &env);
+    share_cores(&env, spec);
     let device = spec.open()?;
     let timeout = match timeout {
         Some(s) if s.is_finite() && s > 0.0 => Duration::from_secs_f64(s),

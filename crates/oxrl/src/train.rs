@@ -129,6 +129,7 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
     let env = DistEnv::from_env()?;
     check_world_size(&cfg, &env)?;
     cfg.device = crate::dist_check::rank_device(cfg.device, &env);
+    crate::dist_check::share_cores(&env, cfg.device);
     if !args.skip_memory_check {
         check_memory(&cfg)?;
     }

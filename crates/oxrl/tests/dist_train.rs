@@ -115,13 +115,15 @@ fn replay_config(dir: &Path, micro_batch_size: usize) -> PathBuf {
     config
 }
 
-/// verl's GRPO step (the grpo-step fixture, 12 trajectories) replayed by 2 and 4 ranks equals
+/// verl's GRPO step (the grpo-step fixture, 12 trajectories) replayed by 2, 4 and 5 ranks equals
 /// the single process's.
 #[test]
-fn replay_on_two_and_four_ranks_equals_one_process() {
+fn replay_on_two_four_and_five_ranks_equals_one_process() {
     let dir = temp_dir("dp-replay");
     let rollouts = fixture("grpo-step").join("rollouts.jsonl");
-    for (ranks, micro) in [(2, 6), (4, 3)] {
+    // 5 ranks with micro-batches of 2: shares of 2 and 3 trajectories, so some ranks run one
+    // micro-batch and send zeros in ZeRO-2's second reduce-scatter round.
+    for (ranks, micro) in [(2, 6), (4, 3), (5, 2)] {
         let config = replay_config(&dir, micro);
         let (one, many) = (
             dir.join(format!("one-{micro}")),
@@ -164,9 +166,13 @@ fn replay_on_two_and_four_ranks_equals_one_process() {
             "ratio_mean",
             "pg_clipfrac",
         ] {
+            // With 2 and 4 ranks every micro-batch holds the trajectories one process puts in
+            // it; with 5 the shares (2 or 3) group them otherwise, and each micro-batch's f32
+            // loss is a sum over other tokens.
+            let tol = if ranks == 5 { 1e-6 } else { 1e-9 };
             let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
             assert!(
-                (x - y).abs() <= 1e-9 * x.abs().max(1e-12),
+                (x - y).abs() <= tol * x.abs().max(1e-12),
                 "{ranks} ranks, {key}: {x} vs {y}"
             );
         }
@@ -182,16 +188,23 @@ fn replay_on_two_and_four_ranks_equals_one_process() {
                 "2 ranks: weights must equal one process's bit for bit"
             );
         } else {
-            // The ring adds the four shares in another order than one process accumulates its
-            // four micro-batches; AdamW's normalisation magnifies that rounding in elements
-            // whose gradient is mostly cancellation.
+            // The ring adds the shares in another order than one process accumulates its
+            // micro-batches; AdamW's normalisation magnifies that rounding in elements whose
+            // gradient is mostly cancellation (measured: 7.8e-7 on 4 ranks). With 5 ranks the
+            // micro-batches themselves hold other trajectories (1.2e-5 measured, and the same
+            // with zero_stage = 0): the fixture's own bound against verl, 1e-4, applies.
+            let bound = if ranks == 5 { 1e-4 } else { 1e-6 };
             assert!(
-                worst <= 1e-6,
-                "4 ranks: weights within {worst} of one process's"
+                worst <= bound,
+                "{ranks} ranks: weights within {worst} of one process's"
             );
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
 }
 
 fn demo(dir: &Path, edits: &[(&str, &str)]) -> PathBuf {
@@ -206,25 +219,21 @@ fn demo(dir: &Path, edits: &[(&str, &str)]) -> PathBuf {
 }
 
 /// Five steps of the arithmetic demo — sampling, rewards, advantages, update, validation — on
-/// two ranks equal one process's bit for bit; a two-rank run stopped after 3 steps and resumed
-/// by one process continues exactly.
+/// two ranks (ZeRO-2, the default) equal one process's bit for bit. A ZeRO-2 run stopped after
+/// 3 steps resumes exactly on two ranks, and refuses one; with `zero_stage = 0` the checkpoint
+/// holds the whole optimizer state and one process resumes it exactly.
 #[test]
-fn demo_on_two_ranks_equals_one_process_and_resumes_on_one() {
+fn demo_on_two_ranks_equals_one_process_and_resumes() {
     let dir = temp_dir("dp-demo");
     let config = demo(&dir, &[("max_steps = 200", "max_steps = 5")]);
     let (one, two, split) = (dir.join("one"), dir.join("two"), dir.join("split"));
-    ok(&single(&[
-        "train",
-        "--config",
-        s(&config),
-        "--output-dir",
-        s(&one),
-    ]));
-    let out = torchrun(
-        2,
-        &["train", "--config", s(&config), "--output-dir", s(&two)],
-    );
-    ok(&out);
+    let train = |config: &Path, out: &Path, more: &[&str]| {
+        let mut args = vec!["train", "--config", s(config), "--output-dir", s(out)];
+        args.extend_from_slice(more);
+        args.iter().map(|a| a.to_string()).collect::<Vec<_>>()
+    };
+    ok(&single(&strs(&train(&config, &one, &[]))));
+    ok(&torchrun(2, &strs(&train(&config, &two, &[]))));
     let (m1, m2) = (metrics(&one), metrics(&two));
     assert_eq!(m1.len(), m2.len());
     for (a, b) in m1.iter().zip(&m2) {
@@ -248,30 +257,52 @@ fn demo_on_two_ranks_equals_one_process_and_resumes_on_one() {
         0.0
     );
 
-    // 3 steps on two ranks, then one process resumes for the last 2.
-    let out = torchrun(
+    // ZeRO-2: 3 steps on two ranks, each writing its part of the optimizer state.
+    ok(&torchrun(
         2,
-        &[
-            "train",
-            "--config",
-            s(&config),
-            "--output-dir",
-            s(&split),
-            "--max-steps",
-            "3",
-        ],
+        &strs(&train(&config, &split, &["--max-steps", "3"])),
+    ));
+    let third = split.join("checkpoint-3");
+    for rank in 0..2 {
+        assert!(third
+            .join(format!("optimizer-rank-{rank}-of-2.safetensors"))
+            .exists());
+    }
+    assert!(!third.join("optimizer.safetensors").exists());
+    // One process cannot resume it, and says with how many ranks to.
+    let refused = single(&strs(&train(&config, &split, &["--resume"])));
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains("parts of 2 ranks") && err.contains("resume it with 2 ranks"),
+        "{err}"
     );
-    ok(&out);
-    ok(&single(&[
-        "train",
-        "--config",
-        s(&config),
-        "--output-dir",
-        s(&split),
-        "--resume",
-    ]));
+    // Two ranks continue it exactly.
+    ok(&torchrun(2, &strs(&train(&config, &split, &["--resume"]))));
     assert_eq!(
         worst_relative(&w1, &tensors(&split.join("checkpoint-5"))),
+        0.0
+    );
+
+    // zero_stage = 0: the whole optimizer state in the checkpoint; one process resumes it.
+    let replicated_dir = dir.join("zero0");
+    std::fs::create_dir_all(&replicated_dir).unwrap();
+    let replicated = demo(
+        &replicated_dir,
+        &[
+            ("max_steps = 200", "max_steps = 5"),
+            ("[trainer]\n", "[trainer]\nzero_stage = 0\n"),
+        ],
+    );
+    let other = dir.join("replicated");
+    ok(&torchrun(
+        2,
+        &strs(&train(&replicated, &other, &["--max-steps", "3"])),
+    ));
+    assert!(other.join("checkpoint-3/optimizer.safetensors").exists());
+    ok(&single(&strs(&train(&replicated, &other, &["--resume"]))));
+    assert_eq!(
+        worst_relative(&w1, &tensors(&other.join("checkpoint-5"))),
         0.0
     );
     std::fs::remove_dir_all(&dir).unwrap();
