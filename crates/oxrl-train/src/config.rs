@@ -563,7 +563,10 @@ mod tests {
         let e = parse("policy_model = \"m\"\n[trainer]\nzero_stage = 1\n")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("zero_stage") && e.contains("use 0 or 2") && e.contains(":3"), "{e}");
+        assert!(
+            e.contains("zero_stage") && e.contains("use 0 or 2") && e.contains(":3"),
+            "{e}"
+        );
     }
 
     #[test]

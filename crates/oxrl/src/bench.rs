@@ -606,6 +606,11 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         prompt_len,
     )
     .total();
+    // The ranks measured their matmul peaks side by side, each on its share of the cores: the
+    // group's peak is their sum.
+    let mut group_peak = [peak];
+    trainer.parallel.sum(&mut group_peak)?;
+    let peak = group_peak[0];
     let achieved = flops / secs / 1e9;
     let generated = (b.prompts * b.n * b.new_tokens) as f64;
     let (rollout_tokens_per_s, tokens_per_s) = (generated / avg("time/rollout"), generated / secs);
