@@ -418,6 +418,53 @@ pub fn lora_parameters(shapes: &[(String, Vec<usize>)], lora: &oxrl_models::Lora
         .sum()
 }
 
+/// Bus bandwidth a ring collective reaches among the 8 GPUs of one NVLink node, and per GPU
+/// between nodes over 400 Gb/s-class networks (EFA, InfiniBand): planning figures
+/// (`shared/docs/scale-out.md` §2), not measurements.
+pub const NVLINK_BUS_BYTES_PER_S: f64 = 400.0 * GB;
+pub const INTERNODE_BUS_BYTES_PER_S: f64 = 50.0 * GB;
+
+/// What ZeRO-2 sends per GPU in one training step (one optimizer step).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Zero2Traffic {
+    /// The f32 gradients' reduce-scatters, one per micro-batch of the GPU's share.
+    pub reduce_scatter_bytes: f64,
+    /// The updated weights' all-gather, in the compute dtype.
+    pub all_gather_bytes: f64,
+    pub micro_batches: usize,
+}
+
+impl Zero2Traffic {
+    pub fn bytes(&self) -> f64 {
+        self.reduce_scatter_bytes + self.all_gather_bytes
+    }
+
+    /// Seconds at bus bandwidth `bus_bytes_per_s` (a ring moves (W − 1)/W of each buffer per
+    /// GPU; the bytes already count that).
+    pub fn seconds(&self, bus_bytes_per_s: f64) -> f64 {
+        self.bytes() / bus_bytes_per_s
+    }
+}
+
+impl Workload {
+    /// ZeRO-2's traffic per GPU in one step on `gpus` GPUs (`None` on one).
+    pub fn zero2_traffic(&self) -> Option<Zero2Traffic> {
+        if self.gpus <= 1 {
+            return None;
+        }
+        let w = self.gpus as f64;
+        let ring = (w - 1.0) / w;
+        let t = self.trainable as f64;
+        let share = (self.prompts * self.samples).div_ceil(self.gpus);
+        let micro_batches = share.div_ceil(self.micro_batch.max(1));
+        Some(Zero2Traffic {
+            reduce_scatter_bytes: 4.0 * t * ring * micro_batches as f64,
+            all_gather_bytes: self.dtype_bytes * t * ring,
+            micro_batches,
+        })
+    }
+}
+
 /// Estimated seconds of a step's phases.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepTime {
@@ -514,6 +561,25 @@ mod tests {
             gradient_checkpointing: true,
             logit_chunk_rows: 1766,
         }
+    }
+
+    #[test]
+    fn zero2_traffic_of_the_8b_on_8_gpus() {
+        assert!(workload(1).zero2_traffic().is_none());
+        let mut w = workload(8);
+        // 512 trajectories over 8 GPUs: 64 each, in micro-batches of 64 → one reduce-scatter.
+        w.micro_batch = 64;
+        let t = w.zero2_traffic().unwrap();
+        assert_eq!(t.micro_batches, 1);
+        // f32 gradients 35.08 GB and bf16 weights 17.54 GB, each × 7/8 on a ring.
+        assert!((t.reduce_scatter_bytes / 1e9 - 35.08 * 7.0 / 8.0).abs() < 0.01);
+        assert!((t.all_gather_bytes / 1e9 - 17.54 * 7.0 / 8.0).abs() < 0.01);
+        assert!((t.seconds(NVLINK_BUS_BYTES_PER_S) - 46.04 / 400.0).abs() < 1e-3);
+        // Micro-batches of 16: four reduce-scatters.
+        w.micro_batch = 16;
+        let t = w.zero2_traffic().unwrap();
+        assert_eq!(t.micro_batches, 4);
+        assert!((t.reduce_scatter_bytes / 1e9 - 4.0 * 35.08 * 7.0 / 8.0).abs() < 0.02);
     }
 
     #[test]

@@ -3,7 +3,10 @@
 use crate::output::say;
 use anyhow::Result;
 use oxrl_train::config::RunConfig;
-use oxrl_train::plan::{accelerator, Workload, ASSUMED_MFU, RESERVED_FRACTION};
+use oxrl_train::plan::{
+    accelerator, Workload, ASSUMED_MFU, INTERNODE_BUS_BYTES_PER_S, NVLINK_BUS_BYTES_PER_S,
+    RESERVED_FRACTION,
+};
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -59,6 +62,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 "seconds_per_step": {"rollout": time.rollout, "training": time.training,
                                      "total": time.total()},
                 "usd_per_step": cost, "usd_per_gpu_hour": args.usd_per_gpu_hour,
+                "zero2_traffic": w.zero2_traffic().map(|t| json!({
+                    "bytes_per_gpu_per_step": t.bytes(),
+                    "reduce_scatter_bytes": t.reduce_scatter_bytes,
+                    "all_gather_bytes": t.all_gather_bytes,
+                    "micro_batches_per_gpu": t.micro_batches,
+                    "seconds_within_one_nvlink_node": t.seconds(NVLINK_BUS_BYTES_PER_S),
+                    "seconds_across_nodes": t.seconds(INTERNODE_BUS_BYTES_PER_S),
+                })),
             })
         )?;
         return Ok(());
@@ -95,6 +106,21 @@ pub fn run(args: PlanArgs) -> Result<()> {
         ASSUMED_MFU * 100.0,
         args.usd_per_gpu_hour
     )?;
+    if let Some(t) = w.zero2_traffic() {
+        say!(
+            "ZeRO-2 traffic per GPU per step: {:.1} GB (f32 gradients reduce-scattered after each \
+             of its {} micro-batch(es): {:.1} GB; weights all-gathered: {:.1} GB) ≈ {:.2} s within \
+             one NVLink node (~{:.0} GB/s), ≈ {:.2} s across nodes (~{:.0} GB/s per GPU)",
+            t.bytes() / 1e9,
+            t.micro_batches,
+            t.reduce_scatter_bytes / 1e9,
+            t.all_gather_bytes / 1e9,
+            t.seconds(NVLINK_BUS_BYTES_PER_S),
+            NVLINK_BUS_BYTES_PER_S / 1e9,
+            t.seconds(INTERNODE_BUS_BYTES_PER_S),
+            INTERNODE_BUS_BYTES_PER_S / 1e9
+        )?;
+    }
     Ok(())
 }
 
