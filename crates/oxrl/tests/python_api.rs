@@ -217,3 +217,73 @@ fn ray_runs_two_ranks_and_restarts_the_group_after_a_rank_dies() {
     same_metrics(&metrics(&cli), &metrics(&killed));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `pip install ./python` (the in-tree backend: no network, no setuptools) installs a package
+/// that runs the binary `OXRL_BINARY` names; a wheel built with `OXRL_WHEEL_BINARY` carries the
+/// binary and finds it with nothing else set.
+#[test]
+fn pip_installs_the_package_and_a_wheel_carries_the_binary() {
+    let dir = temp_dir("py-install");
+    let python = oxrl_fixtures::peer_python();
+    let pip = |args: &[&str], binary: Option<&str>| {
+        let mut c = Command::new(&python);
+        c.args(["-m", "pip"]).args(args);
+        c.args(["--quiet", "--no-deps", "--no-build-isolation"]);
+        if let Some(b) = binary {
+            c.env("OXRL_WHEEL_BINARY", b);
+        }
+        ok(&c.output().unwrap());
+    };
+    let import = |site: &Path, with_binary_env: bool| {
+        let mut c = Command::new(&python);
+        c.args([
+            "-c",
+            "import oxrl; print(oxrl.__file__); print(oxrl.__version__); \
+             print(oxrl.find_binary())",
+        ]);
+        c.env("PYTHONPATH", site)
+            .env_remove("OXRL_BINARY")
+            .env("PATH", "/usr/bin:/bin");
+        if with_binary_env {
+            c.env("OXRL_BINARY", env!("CARGO_BIN_EXE_oxrl"));
+        }
+        let out = c.current_dir(&dir).output().unwrap();
+        ok(&out);
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    let package = repo().join("python");
+
+    let site = dir.join("site");
+    pip(&["install", "--target", s(&site), s(&package)], None);
+    let lines = import(&site, true);
+    assert!(lines[0].starts_with(s(&site)), "{lines:?}");
+    assert_eq!(lines[1], "0.1.0");
+    assert_eq!(lines[2], env!("CARGO_BIN_EXE_oxrl"));
+
+    let wheels = dir.join("wheels");
+    pip(
+        &["wheel", "-w", s(&wheels), s(&package)],
+        Some(env!("CARGO_BIN_EXE_oxrl")),
+    );
+    let wheel = std::fs::read_dir(&wheels)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    assert!(
+        !s(&wheel).ends_with("-any.whl"),
+        "a wheel with a binary is platform-tagged: {wheel:?}"
+    );
+    let bundled = dir.join("bundled");
+    pip(&["install", "--target", s(&bundled), s(&wheel)], None);
+    let lines = import(&bundled, false);
+    let carried = bundled.join("oxrl/bin/oxrl");
+    assert_eq!(lines[2], s(&carried));
+    let version = Command::new(&carried).arg("--version").output().unwrap();
+    assert!(String::from_utf8_lossy(&version.stdout).starts_with("oxrl "));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
