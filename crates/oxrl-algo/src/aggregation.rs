@@ -36,6 +36,41 @@ pub fn token_weights(agg: LossAgg, seq_lens: &[usize], totals: &BatchTotals) -> 
     w
 }
 
+/// [`token_weights`] with some tokens masked out (`keep[t]` false, over the same concatenated
+/// tokens): a masked token weighs 0 and a sequence counts only its kept tokens, as verl's
+/// `agg_loss` does with a modified response mask. `totals` must count kept tokens and the
+/// sequences that keep at least one ([`BatchTotals::kept`]).
+pub fn masked_token_weights(
+    agg: LossAgg,
+    seq_lens: &[usize],
+    keep: &[bool],
+    totals: &BatchTotals,
+) -> Vec<f32> {
+    let weight = agg.implementation();
+    let mut w = Vec::with_capacity(keep.len());
+    let mut at = 0;
+    for &n in seq_lens {
+        let kept = &keep[at..at + n];
+        let k = kept.iter().filter(|&&x| x).count();
+        let each = weight(k, totals) as f32;
+        w.extend(kept.iter().map(|&x| if x { each } else { 0.0 }));
+        at += n;
+    }
+    w
+}
+
+impl BatchTotals {
+    /// The totals of a mini-batch whose sequences keep the tokens `keep` says (per sequence):
+    /// kept tokens, and sequences with at least one kept.
+    pub fn kept(keep: &[&[bool]], loss_scale_factor: f64) -> Self {
+        BatchTotals {
+            tokens: keep.iter().map(|s| s.iter().filter(|&&k| k).count()).sum(),
+            sequences: keep.iter().filter(|s| s.iter().any(|&k| k)).count(),
+            loss_scale_factor,
+        }
+    }
+}
+
 fn token_mean(_: usize, totals: &BatchTotals) -> f64 {
     1.0 / totals.tokens as f64
 }
@@ -55,6 +90,31 @@ fn seq_mean_token_sum_norm(_: usize, totals: &BatchTotals) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sequences [1, 2] and [3, 4, 5, 6] with the 2nd and 4th..6th tokens masked: token_mean
+    /// over the kept (1 + 3) / 2 = 2; seq_mean_token_mean: the second sequence keeps one
+    /// token, (1 + 3) / 2 = 2 as well; a wholly masked sequence leaves the count of sequences.
+    #[test]
+    fn masked_tokens_leave_the_totals() {
+        let keep = [true, false, true, false, false, false];
+        let totals = BatchTotals::kept(&[&keep[..2], &keep[2..]], 10.0);
+        assert_eq!((totals.tokens, totals.sequences), (2, 2));
+        let sum = |agg| -> f64 {
+            masked_token_weights(agg, &[2, 4], &keep, &totals)
+                .iter()
+                .zip([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+                .map(|(w, l)| *w as f64 * l)
+                .sum()
+        };
+        assert!((sum(LossAgg::TokenMean) - 2.0).abs() < 1e-6);
+        assert!((sum(LossAgg::SeqMeanTokenMean) - 2.0).abs() < 1e-6);
+        assert!((sum(LossAgg::SeqMeanTokenSum) - 2.0).abs() < 1e-6);
+        let gone = [true, true, false, false, false, false];
+        let totals = BatchTotals::kept(&[&gone[..2], &gone[2..]], 10.0);
+        assert_eq!((totals.tokens, totals.sequences), (2, 1));
+        let w = masked_token_weights(LossAgg::SeqMeanTokenSum, &[2, 4], &gone, &totals);
+        assert_eq!(w, vec![1.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    }
 
     /// Two sequences: L = [1, 2] and [3, 4, 5, 6]; B = 2, N = 6, L_max = 10.
     fn aggregate(agg: LossAgg) -> f64 {

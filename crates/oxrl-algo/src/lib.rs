@@ -18,9 +18,10 @@ pub mod dapo;
 pub mod kl;
 pub mod policy_loss;
 pub mod returns;
+pub mod rollout_corr;
 
 pub use advantage::{compute_advantages, AdvantageConfig, AdvantageEstimator};
-pub use aggregation::{token_weights, BatchTotals, LossAgg};
+pub use aggregation::{masked_token_weights, token_weights, BatchTotals, LossAgg};
 pub use kl::{kl_per_token, KlEstimator};
 pub use policy_loss::{policy_loss, PolicyLoss, PolicyLossConfig, PolicyLossOutput};
 pub use registry::{Registered, UnknownName};

@@ -296,3 +296,18 @@ pub fn tail(path: &std::path::Path) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
 }
+
+/// Fails the test with the process's stdout and stderr unless it exited successfully.
+pub fn assert_success(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A path as the `&str` a command line takes (test paths are UTF-8).
+pub fn path_str(p: &std::path::Path) -> &str {
+    p.to_str().expect("a UTF-8 test path")
+}

@@ -17,6 +17,7 @@ use crate::optim::AdamWConfig;
 use crate::reward_config::{resolve_function, FunctionTable};
 pub use crate::reward_config::{RewardFunction, RewardKind};
 use crate::update::{AlgorithmConfig, UpdateConfig};
+use oxrl_algo::rollout_corr::{IsConfig, RejectRule, RolloutCorrectionConfig};
 use oxrl_algo::{
     AdvantageConfig, AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, PolicyLossConfig,
 };
@@ -374,6 +375,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
 
     let estimator = entry(given, "algorithm.advantage", AdvantageEstimator::from_name)?;
     let loss_agg = entry(given, "algorithm.loss_agg", LossAgg::from_name)?;
+    let rollout_correction = rollout_correction(given)?;
     let algorithm = AlgorithmConfig {
         advantage: AdvantageConfig {
             estimator,
@@ -402,6 +404,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         old_logprobs: choice(given, "algorithm.old_logprobs", OLD_LOGPROBS)?,
         entropy_coef: given.value("algorithm.entropy_coef"),
         overlong_filter: given.value("algorithm.overlong_filter"),
+        rollout_correction,
     };
     let dynamic_sampling = DynamicSampling {
         overlong_buffer_len: given.value("algorithm.overlong_buffer_len"),
@@ -480,6 +483,49 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
     })
 }
 
+/// `[algorithm] rollout_is*` and `rollout_rs*`: rollout correction, or `None` when neither is set.
+fn rollout_correction(given: &Given) -> Result<Option<RolloutCorrectionConfig>, ConfigError> {
+    let fmt = |x: f64| format!("{x}");
+    let is = match given.get::<String>("algorithm.rollout_is") {
+        None => None,
+        Some(level) => {
+            let upper: f64 = given.value("algorithm.rollout_is_threshold");
+            let threshold = match given.get::<f64>("algorithm.rollout_is_threshold_lower") {
+                Some(lower) => format!("{}_{}", fmt(lower), fmt(upper)),
+                None => fmt(upper),
+            };
+            Some(
+                IsConfig::parse(&level, &threshold)
+                    .map_err(|e| given.bad("algorithm.rollout_is", e))?,
+            )
+        }
+    };
+    let names: Vec<String> = given.get("algorithm.rollout_rs").unwrap_or_default();
+    let mut rules = Vec::new();
+    if !names.is_empty() {
+        let upper = given
+            .get::<f64>("algorithm.rollout_rs_threshold")
+            .ok_or_else(|| {
+                given.bad(
+                    "algorithm.rollout_rs",
+                    "needs rollout_rs_threshold (its bound)",
+                )
+            })?;
+        let lower = given.get::<f64>("algorithm.rollout_rs_threshold_lower");
+        for name in &names {
+            let threshold = match (lower, name.ends_with("k1")) {
+                (Some(lower), true) => format!("{}_{}", fmt(lower), fmt(upper)),
+                _ => fmt(upper),
+            };
+            rules.push(
+                RejectRule::parse(name, &threshold)
+                    .map_err(|e| given.bad("algorithm.rollout_rs", e))?,
+            );
+        }
+    }
+    Ok((is.is_some() || !rules.is_empty()).then_some(RolloutCorrectionConfig { is, rules }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -552,6 +598,36 @@ mod tests {
         assert!(!parse(base).unwrap().gradient_checkpointing);
         let on = parse(&format!("{base}[trainer]\ngradient_checkpointing = true\n")).unwrap();
         assert!(on.gradient_checkpointing);
+    }
+
+    #[test]
+    fn rollout_correction_keys() {
+        let c = parse("policy_model = \"m\"\n[algorithm]\nrollout_is = \"sequence\"\nrollout_is_threshold = 3\nrollout_rs = [\"seq_mean_k1\", \"token_k3\"]\nrollout_rs_threshold = 1.5\nrollout_rs_threshold_lower = 0.5\n").unwrap();
+        let rc = c.algorithm.rollout_correction.unwrap();
+        let is = rc.is.unwrap();
+        assert_eq!((is.upper, is.lower), (3.0, None));
+        assert_eq!(rc.rules.len(), 2);
+        assert_eq!(rc.rules[0].lower, Some(0.5f64.ln()));
+        assert_eq!((rc.rules[1].lower, rc.rules[1].upper), (None, 1.5));
+        assert!(parse("policy_model = \"m\"\n")
+            .unwrap()
+            .algorithm
+            .rollout_correction
+            .is_none());
+        let e = parse("policy_model = \"m\"\n[algorithm]\nrollout_rs = \"token_k1\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rollout_rs") && e.contains("rollout_rs_threshold"),
+            "{e}"
+        );
+        let e = parse("policy_model = \"m\"\n[algorithm]\nrollout_is = \"tokens\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rollout_is") && e.contains("\"token\" or \"sequence\""),
+            "{e}"
+        );
     }
 
     #[test]

@@ -904,11 +904,23 @@ pub fn learn(
         ),
         false => shared_logprobs(trainer, trained, time)?,
     };
+    let mut old = old;
+    if let Some(cfg) = &trainer.algorithm.rollout_correction {
+        old.correction = Some(correct_rollouts(
+            cfg,
+            trained,
+            &old,
+            trainer.algorithm.old_logprobs,
+        )?);
+    }
     let mut report = time.time("update", || {
         trainer.update(trained, &advantages, &old, reference.as_deref())
     })?;
     if trainer.algorithm.overlong_filter {
         report.metrics.insert("overlong_filtered".into(), dropped);
+    }
+    if let Some(c) = &old.correction {
+        report.metrics.extend(c.metrics.clone());
     }
     Ok(Learned {
         advantages,
@@ -916,6 +928,44 @@ pub fn learn(
         reference,
         report,
     })
+}
+
+/// Rollout correction of `trained` from the trainer's recomputed `logp_old` and the engine's
+/// log-probs (`oxrl_algo::rollout_corr`). Both must be there: with `old_logprobs = "rollout"` the
+/// two are the same numbers and there is nothing to correct.
+fn correct_rollouts(
+    cfg: &oxrl_algo::rollout_corr::RolloutCorrectionConfig,
+    trained: &[Trajectory],
+    old: &OldPolicy,
+    mode: OldLogprobs,
+) -> Result<oxrl_algo::rollout_corr::Correction> {
+    if mode != OldLogprobs::Recompute {
+        return Err(TrainError::Invalid(
+            "rollout correction (rollout_is / rollout_rs) compares the engine's log-probs with the \
+             trainer's: it needs [algorithm] old_logprobs = \"recompute\""
+                .into(),
+        ));
+    }
+    if let Some((i, t)) = trained
+        .iter()
+        .enumerate()
+        .find(|(_, t)| t.rollout_logprobs.len() != t.response_ids.len())
+    {
+        return Err(TrainError::Invalid(format!(
+            "rollout correction needs the engine's log-prob of every response token, and \
+             trajectory {i} (uid {}) has {} for {} tokens",
+            t.uid,
+            t.rollout_logprobs.len(),
+            t.response_ids.len()
+        )));
+    }
+    let rollout: Vec<Vec<f32>> = trained.iter().map(|t| t.rollout_logprobs.clone()).collect();
+    Ok(oxrl_algo::rollout_corr::rollout_correction(
+        &old.logprobs,
+        &rollout,
+        cfg.is.as_ref(),
+        &cfg.rules,
+    ))
 }
 
 /// `logp_old` and the reference log-probs in a data-parallel group: each rank computes them
@@ -958,6 +1008,7 @@ fn shared_logprobs(
             .flatten(),
         logprobs,
         entropy,
+        correction: None,
     };
     Ok((old, reference))
 }

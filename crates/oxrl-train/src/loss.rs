@@ -8,7 +8,7 @@
 
 use crate::update::AlgorithmConfig;
 use candle_core::{Result, Tensor};
-use oxrl_algo::{kl_per_token, policy_loss, token_weights, BatchTotals};
+use oxrl_algo::{kl_per_token, masked_token_weights, policy_loss, token_weights, BatchTotals};
 
 /// One micro-batch's per-token tensors, flat `[N]` over its response tokens in order.
 pub struct MicroBatch<'a> {
@@ -26,6 +26,12 @@ pub struct MicroBatch<'a> {
     pub lens: &'a [usize],
     /// Totals of the mini-batch this micro-batch belongs to (aggregation weights).
     pub totals: &'a BatchTotals,
+    /// Rollout correction's importance-sampling weight per token (detached), multiplied into
+    /// the policy-gradient term.
+    pub is_weights: Option<&'a Tensor>,
+    /// Rollout correction's rejection: tokens to keep; the others leave every term and the
+    /// totals (which then count kept tokens only).
+    pub keep: Option<&'a [bool]>,
 }
 
 /// What one micro-batch's loss measured (each term already aggregated, so summing over the
@@ -51,7 +57,13 @@ pub struct LossMetrics {
 pub fn micro_batch_loss(algo: &AlgorithmConfig, mb: &MicroBatch) -> Result<(Tensor, LossMetrics)> {
     let n = mb.logp.dims1()?;
     let dev = mb.logp.device();
-    let weights = |agg| Tensor::from_vec(token_weights(agg, mb.lens, mb.totals), n, dev);
+    let weights = |agg| {
+        let w = match mb.keep {
+            Some(keep) => masked_token_weights(agg, mb.lens, keep, mb.totals),
+            None => token_weights(agg, mb.lens, mb.totals),
+        };
+        Tensor::from_vec(w, n, dev)
+    };
     let pl = policy_loss(
         &algo.policy_loss,
         mb.logp,
@@ -60,7 +72,11 @@ pub fn micro_batch_loss(algo: &AlgorithmConfig, mb: &MicroBatch) -> Result<(Tens
         mb.lens,
     )?;
     let w = weights(algo.loss_agg)?;
-    let pg = (&pl.per_token * &w)?.sum_all()?;
+    let per_token = match mb.is_weights {
+        Some(is) => (&pl.per_token * is)?,
+        None => pl.per_token.clone(),
+    };
+    let pg = (&per_token * &w)?.sum_all()?;
     let mut loss = pg.clone();
     let mut kl_value = 0.0;
     if let Some(ref_logp) = mb.ref_logp {
@@ -109,6 +125,7 @@ mod tests {
             old_logprobs: OldLogprobs::Recompute,
             entropy_coef,
             overlong_filter: false,
+            rollout_correction: None,
         }
     }
 
@@ -138,6 +155,8 @@ mod tests {
             ref_logp: Some(&reference),
             lens: &[2, 1],
             totals: &totals,
+            is_weights: None,
+            keep: None,
         };
         let (loss, m) = micro_batch_loss(&algo(0.1, 0.01), &mb).unwrap();
         assert!((m.pg_loss - 0.0).abs() < 1e-6, "{}", m.pg_loss);

@@ -17,6 +17,7 @@ use crate::trajectory::Trajectory;
 use crate::zero::{ZeroLayout, ZeroOptimizer};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use oxrl_algo::rollout_corr::{Correction, RolloutCorrectionConfig};
 use oxrl_algo::{AdvantageConfig, BatchTotals, KlEstimator, LossAgg, PolicyLossConfig};
 use oxrl_dist::chunk;
 use oxrl_models::{checkpoint, BatchLogprobs, Entropy, PolicyModel, ScoreRequest};
@@ -49,6 +50,9 @@ pub struct AlgorithmConfig {
     pub entropy_coef: f64,
     /// DAPO overlong filtering: truncated responses leave the update.
     pub overlong_filter: bool,
+    /// Importance weights and rejection for the engine-vs-trainer mismatch
+    /// (`oxrl_algo::rollout_corr`); `None`: off.
+    pub rollout_correction: Option<RolloutCorrectionConfig>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -89,6 +93,8 @@ pub struct OldPolicy {
     /// Mean |rollout − recomputed| log-prob over the tokens that have both: how far the engine's
     /// numbers are from the trainer's for the same weights.
     pub rollout_logprob_diff: Option<f64>,
+    /// Rollout correction's weights and rejection for these trajectories, when it is on.
+    pub correction: Option<Correction>,
 }
 
 pub struct PolicyTrainer {
@@ -464,6 +470,7 @@ impl PolicyTrainer {
                     rollout_logprob_diff: rollout_logprob_diff(trajs, &old),
                     logprobs: old,
                     entropy: Some(entropy),
+                    correction: None,
                 })
             }
         }
@@ -511,10 +518,17 @@ impl PolicyTrainer {
             let order: Vec<usize> = (0..trajs.len()).collect();
             for batch in order.chunks(mini) {
                 let mut acc: Vec<Option<Tensor>> = vec![None; self.vars.len()];
-                let totals = BatchTotals {
-                    tokens: batch.iter().map(|&i| trajs[i].response_ids.len()).sum(),
-                    sequences: batch.len(),
-                    loss_scale_factor: self.algorithm.loss_scale_factor,
+                let lsf = self.algorithm.loss_scale_factor;
+                let totals = match old.correction.as_ref().and_then(|c| c.keep.as_ref()) {
+                    Some(keep) => BatchTotals::kept(
+                        &batch.iter().map(|&i| &keep[i][..]).collect::<Vec<_>>(),
+                        lsf,
+                    ),
+                    None => BatchTotals {
+                        tokens: batch.iter().map(|&i| trajs[i].response_ids.len()).sum(),
+                        sequences: batch.len(),
+                        loss_scale_factor: lsf,
+                    },
                 };
                 let share = &batch[self.parallel.share(batch.len())];
                 let micro_len = self.update.micro_batch_size.max(1);
@@ -619,6 +633,21 @@ impl PolicyTrainer {
         let adv = Tensor::from_vec(adv, out.logprobs.dims1()?, &dev)?;
         let old_logp = flat(&old.logprobs, micro, &dev)?;
         let ref_logp = reference.map(|r| flat(r, micro, &dev)).transpose()?;
+        let correction = old.correction.as_ref();
+        let is_weights = correction
+            .and_then(|c| c.weights.as_ref())
+            .map(|w| {
+                let v: Vec<f32> = micro
+                    .iter()
+                    .flat_map(|&i| w[i].iter().map(|&x| x as f32))
+                    .collect();
+                let n = v.len();
+                Tensor::from_vec(v, n, &dev)
+            })
+            .transpose()?;
+        let keep: Option<Vec<bool>> = correction
+            .and_then(|c| c.keep.as_ref())
+            .map(|k| micro.iter().flat_map(|&i| k[i].iter().copied()).collect());
         let (loss, metrics) = micro_batch_loss(
             algo,
             &MicroBatch {
@@ -629,6 +658,8 @@ impl PolicyTrainer {
                 ref_logp: ref_logp.as_ref(),
                 lens: &lens,
                 totals,
+                is_weights: is_weights.as_ref(),
+                keep: keep.as_deref(),
             },
         )?;
         let logp = out.logprobs.to_vec1::<f32>()?;
@@ -681,18 +712,7 @@ impl PolicyTrainer {
     fn apply(&mut self, acc: Vec<Option<Tensor>>) -> Result<Applied> {
         let mut grads = self.reduce_gradients(acc)?;
         let squared = squared_norms(&grads)?;
-        let per_param = self
-            .vars
-            .iter()
-            .zip(&squared)
-            .map(|((name, _), sq)| (name.clone(), sq.sqrt()))
-            .collect();
-        let grad_norm = clip_grad_norm(&mut grads, &squared, self.update.max_grad_norm)?;
-        if !grad_norm.is_finite() {
-            return Err(TrainError::Invalid(format!(
-                "gradient norm is {grad_norm}: the update was skipped to keep the weights intact"
-            )));
-        }
+        let (grad_norm, per_param) = self.clip(&mut grads, &squared)?;
         let lr = self.scheduled_lr();
         let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
         self.optimizer.update(&vars, &grads, lr)?;
@@ -735,35 +755,43 @@ impl PolicyTrainer {
     /// all-gather of the new weights.
     fn apply_sharded(&mut self, mut shard: Tensor) -> Result<Applied> {
         let lr = self.scheduled_lr();
-        let Some(zero) = self.zero.as_mut() else {
-            return Err(TrainError::Invalid(
-                "ZeRO-2 step without a sharded optimizer".into(),
-            ));
+        let squared = match &self.zero {
+            Some(zero) => zero.squared_norms(&shard, &self.parallel)?,
+            None => {
+                return Err(TrainError::Invalid(
+                    "ZeRO-2 step without a sharded optimizer".into(),
+                ))
+            }
         };
-        let squared = zero.squared_norms(&shard, &self.parallel)?;
-        let per_param = self
-            .vars
-            .iter()
-            .zip(&squared)
-            .map(|((name, _), sq)| (name.clone(), sq.sqrt()))
-            .collect();
-        let grad_norm = clip_grad_norm(
-            std::slice::from_mut(&mut shard),
-            &squared,
-            self.update.max_grad_norm,
-        )?;
-        if !grad_norm.is_finite() {
-            return Err(TrainError::Invalid(format!(
-                "gradient norm is {grad_norm}: the update was skipped to keep the weights intact"
-            )));
-        }
+        let (grad_norm, per_param) = self.clip(std::slice::from_mut(&mut shard), &squared)?;
         let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
-        zero.step(&vars, &shard, lr, &self.parallel)?;
+        if let Some(zero) = self.zero.as_mut() {
+            zero.step(&vars, &shard, lr, &self.parallel)?;
+        }
         Ok(Applied {
             grad_norm,
             lr,
             per_param,
         })
+    }
+
+    /// Clips `grads` (whole gradients, or this rank's part) to the global norm their
+    /// parameters' `squared` norms give; returns the norm before clipping and each parameter's.
+    /// A norm that is not finite stops the step before any weight moves.
+    fn clip(&self, grads: &mut [Tensor], squared: &[f64]) -> Result<(f64, Vec<(String, f64)>)> {
+        let per_param = self
+            .vars
+            .iter()
+            .zip(squared)
+            .map(|((name, _), sq)| (name.clone(), sq.sqrt()))
+            .collect();
+        let grad_norm = clip_grad_norm(grads, squared, self.update.max_grad_norm)?;
+        if !grad_norm.is_finite() {
+            return Err(TrainError::Invalid(format!(
+                "gradient norm is {grad_norm}: the update was skipped to keep the weights intact"
+            )));
+        }
+        Ok((grad_norm, per_param))
     }
 
     /// One supervised step: mean negative log-likelihood of the response tokens over the batch

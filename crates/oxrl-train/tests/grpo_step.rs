@@ -30,6 +30,7 @@ fn algorithm() -> AlgorithmConfig {
         old_logprobs: OldLogprobs::Rollout,
         entropy_coef: 0.0,
         overlong_filter: false,
+        rollout_correction: None,
     }
 }
 
@@ -401,4 +402,83 @@ fn per_token_advantages_reach_the_policy_loss() {
         1e-7,
         "pg_loss",
     );
+}
+
+/// Rollout correction on the fixture's step, with the engine's log-probs pushed off the
+/// trainer's by a fixed pattern (+0.6, −0.3, +0.1, 0 per token): with token IS weights capped
+/// at 1.2 and the token ratio kept within [1/1.5, 1.5], the +0.6 tokens (ratio 0.55) leave the
+/// loss, the −0.3 ones (ratio 1.35) weigh 1.2, and pg_loss is the IS-weighted token mean over
+/// the kept tokens only.
+#[test]
+fn rollout_correction_weights_and_masks_reach_the_loss() {
+    use oxrl_algo::rollout_corr::{IsConfig, RejectRule, RolloutCorrectionConfig};
+    let mut trainer = trainer(DType::F32, 4);
+    trainer.algorithm.old_logprobs = OldLogprobs::Recompute;
+    trainer.algorithm.rollout_correction = Some(RolloutCorrectionConfig {
+        is: Some(IsConfig::parse("token", "1.2").unwrap()),
+        rules: vec![RejectRule::parse("token_k1", "1.5").unwrap()],
+    });
+    let mut trajs = read_trajectories(&fixture("grpo-step/rollouts.jsonl")).unwrap();
+    // The engine's log-prob of each token: the trainer's own, shifted.
+    let trainers = trainer.old_logprobs(&trajs).unwrap().logprobs;
+    let shift = [0.6f32, -0.3, 0.1, 0.0];
+    for (i, t) in trajs.iter_mut().enumerate() {
+        for (j, lp) in t.rollout_logprobs.iter_mut().enumerate() {
+            *lp = trainers[i][j] + shift[(i + j) % 4];
+        }
+    }
+    let learned = learn(&mut trainer, &trajs, &mut PhaseTimes::default()).unwrap();
+    let c = learned
+        .old
+        .correction
+        .as_ref()
+        .expect("rollout correction ran");
+    let (weights, keep) = (c.weights.as_ref().unwrap(), c.keep.as_ref().unwrap());
+    let (mut sum, mut kept, mut capped, mut dropped) = (0.0, 0.0, 0, 0);
+    for (i, t) in trajs.iter().enumerate() {
+        for j in 0..t.response_ids.len() {
+            match (i + j) % 4 {
+                // +0.6
+                0 => assert!(!keep[i][j], "traj {i} token {j} kept"),
+                // −0.3
+                1 => {
+                    assert!(keep[i][j]);
+                    assert!((weights[i][j] - 1.2).abs() < 1e-12);
+                }
+                _ => assert!(keep[i][j]),
+            }
+            capped += (weights[i][j] == 1.2) as usize;
+            dropped += !keep[i][j] as usize;
+            if keep[i][j] {
+                let (rho, a) = (learned.report.ratios[i][j] as f64, learned.advantages[i][j]);
+                sum += -weights[i][j] * (rho * a).min(rho.clamp(1.0 - 0.2, 1.0 + 0.28) * a);
+                kept += 1.0;
+            }
+        }
+    }
+    assert!(capped > 0 && dropped > 0);
+    let m = &learned.report.metrics;
+    rel_close(m["pg_loss"], sum / kept, 1e-5, 1e-7, "pg_loss");
+    let tokens = trajs.iter().map(|t| t.response_ids.len()).sum::<usize>() as f64;
+    rel_close(
+        m["rollout_corr/rollout_rs_masked_fraction"],
+        dropped as f64 / tokens,
+        1e-12,
+        1e-12,
+        "rollout_rs_masked_fraction",
+    );
+    for key in [
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/kl",
+        "rollout_corr/chi2_token",
+    ] {
+        assert!(m[key].is_finite(), "{key}");
+    }
+
+    // The engine's own numbers as logp_old leave nothing to correct: refused by name.
+    trainer.algorithm.old_logprobs = OldLogprobs::Rollout;
+    let e = learn(&mut trainer, &trajs, &mut PhaseTimes::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("old_logprobs = \"recompute\""), "{e}");
 }

@@ -354,6 +354,7 @@ fn bench_trainer(
         old_logprobs: OldLogprobs::Recompute,
         entropy_coef: 0.0,
         overlong_filter: false,
+        rollout_correction: None,
     };
     let update = UpdateConfig {
         temperature: 1.0,

@@ -7,7 +7,7 @@
 //! the same two micro-batch gradients in the same order. Otherwise (four ranks, or smaller
 //! micro-batches) the ring sums the shares in another order, and the weights agree to rounding.
 
-use oxrl_fixtures::{fixture, temp_dir};
+use oxrl_fixtures::{assert_success as ok, fixture, path_str as s, temp_dir};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,19 +16,6 @@ use std::time::{Duration, Instant};
 
 fn oxrl() -> &'static str {
     env!("CARGO_BIN_EXE_oxrl")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn ok(out: &Output) {
-    assert!(
-        out.status.success(),
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn single(args: &[&str]) -> Output {
@@ -80,11 +67,7 @@ fn worst_relative(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>) 
 }
 
 fn metrics(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    oxrl_fixtures::jsonl(&dir.join("metrics.jsonl"))
 }
 
 /// Every logged number but wall times, throughputs and reward latencies.

@@ -2,14 +2,10 @@
 //! against the command line, its errors, and `oxrl.ray` on a local Ray cluster — two ranks
 //! placed by a placement group, and a restart from the last checkpoint after a rank is killed.
 
-use oxrl_fixtures::{repo, temp_dir};
+use oxrl_fixtures::{assert_success as ok, path_str as s, repo, temp_dir};
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// Runs `script` with the venv's Python, the package importable and the test's binary found.
 fn python(script: &str, args: &[&str]) -> Output {
@@ -27,21 +23,8 @@ fn python(script: &str, args: &[&str]) -> Output {
         .expect("python runs")
 }
 
-fn ok(out: &Output) {
-    assert!(
-        out.status.success(),
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn metrics(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    oxrl_fixtures::jsonl(&dir.join("metrics.jsonl"))
 }
 
 /// The same steps logged the same numbers (wall times, throughputs and reward latencies

@@ -1,7 +1,7 @@
 //! `oxrl train` and `oxrl sft` end to end: the replay step against verl's fixture, resume
 //! equivalence, the bundled demo learning, and configuration errors.
 
-use oxrl_fixtures::{fixture, temp_dir};
+use oxrl_fixtures::{assert_success as ok, fixture, path_str as s, temp_dir};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -16,18 +16,6 @@ fn oxrl(args: &[&str]) -> Output {
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn ok(out: &Output) {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn tensors(dir: &Path) -> std::collections::HashMap<String, Vec<f32>> {
