@@ -373,3 +373,71 @@ fn checkpointed_and_chunked_gradients_equal_full_backprop() {
     let (reqs, _) = requests();
     common::assert_memory_savers_match(tiny, &reqs);
 }
+
+/// The checkpointed backward hands each decoder layer over (last layer first) as soon as its
+/// weights' gradients are final: what ZeRO-2 reduce-scatters and drops there equals full
+/// backprop's gradient, and the store no longer holds it afterwards.
+#[test]
+fn checkpointed_backward_hands_over_each_finished_layer() {
+    let (reqs, _) = requests();
+    let loss_of = |out: &oxrl_models::BatchLogprobs| {
+        let n = out.logprobs.dim(0).unwrap();
+        let w: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) / 5.0).collect();
+        let w = Tensor::from_vec(w, n, &Device::Cpu).unwrap();
+        (&out.logprobs * &w).unwrap().sum_all().unwrap()
+    };
+    let mut plain = tiny();
+    let plain_vars = plain.make_trainable().unwrap();
+    let out = plain
+        .response_logprobs(&reqs, oxrl_models::Entropy::None)
+        .unwrap();
+    let full = out.backward(&loss_of(&out)).unwrap();
+    let want: std::collections::HashMap<String, Vec<f32>> = plain_vars
+        .iter()
+        .filter_map(|(name, v)| {
+            let g = full.get(v.as_tensor())?;
+            Some((
+                name.clone(),
+                g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            ))
+        })
+        .collect();
+
+    let mut model = tiny();
+    model.gradient_checkpointing = true;
+    let layers = model.config.num_hidden_layers;
+    let vars = model.make_trainable().unwrap();
+    let out = model
+        .response_logprobs(&reqs, oxrl_models::Entropy::None)
+        .unwrap();
+    let mut handed = Vec::new();
+    let store = out
+        .backward_with(&loss_of(&out), |l, grads| {
+            handed.push(l);
+            let prefix = format!(".layers.{l}.");
+            for (name, v) in vars.iter().filter(|(n, _)| n.contains(&prefix)) {
+                let g = grads
+                    .remove(v.as_tensor())
+                    .expect("a finished layer's gradient");
+                assert_eq!(g.flatten_all()?.to_vec1::<f32>()?, want[name], "{name}");
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(handed, (0..layers).rev().collect::<Vec<_>>());
+    for (name, v) in &vars {
+        if name.contains(".layers.") {
+            assert!(
+                store.get(v.as_tensor()).is_none(),
+                "{name} left in the store"
+            );
+        } else if let Some(w) = want.get(name) {
+            let g = store.get(v.as_tensor()).expect("the embeddings' gradient");
+            assert_eq!(
+                &g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                w,
+                "{name}"
+            );
+        }
+    }
+}

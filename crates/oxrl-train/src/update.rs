@@ -419,7 +419,12 @@ impl PolicyTrainer {
             params: self.optimizer.state()?,
         };
         let sizes: Vec<usize> = self.vars.iter().map(|(_, v)| v.elem_count()).collect();
-        let layout = ZeroLayout::new(&sizes, self.parallel.rank(), self.parallel.world_size());
+        let layout = ZeroLayout::grouped(
+            &decoder_layers(self.vars.iter().map(|(n, _)| n.as_str())),
+            &sizes,
+            self.parallel.rank(),
+            self.parallel.world_size(),
+        );
         self.zero = Some(ZeroOptimizer::new(layout, &state, self.policy.device())?);
         self.optimizer = Box::new(AdamW::new(self.update.optimizer, Vec::new()));
         Ok(())
@@ -544,11 +549,11 @@ impl PolicyTrainer {
                         .div_ceil(micro_len),
                     false => share.len().div_ceil(micro_len),
                 };
-                let mut shard_acc: Option<Tensor> = None;
+                let mut shard_parts: Option<Vec<Tensor>> = None;
                 for _ in 0..rounds {
                     let Some(micro) = micros.next() else {
-                        let zeros = self.local_gradients(vec![None; self.vars.len()])?;
-                        self.accumulate_shard(&mut shard_acc, zeros)?;
+                        let parts = self.idle_parts()?;
+                        add_parts(&mut shard_parts, parts)?;
                         continue;
                     };
                     let (loss, m, out) =
@@ -563,20 +568,16 @@ impl PolicyTrainer {
                         at += n;
                     }
                     sums.add(m.metrics);
-                    let grads = out.backward(&loss)?;
                     match self.zero.is_some() {
                         true => {
-                            let mut one: Vec<Option<Tensor>> = vec![None; self.vars.len()];
-                            self.accumulate(&mut one, &grads)?;
-                            drop(grads);
-                            let full = self.local_gradients(one)?;
-                            self.accumulate_shard(&mut shard_acc, full)?;
+                            let parts = self.backward_sharded(&out, &loss)?;
+                            add_parts(&mut shard_parts, parts)?;
                         }
-                        false => self.accumulate(&mut acc, &grads)?,
+                        false => self.accumulate(&mut acc, &out.backward(&loss)?)?,
                     }
                 }
-                let applied = match shard_acc {
-                    Some(shard) => self.apply_sharded(shard)?,
+                let applied = match shard_parts {
+                    Some(parts) => self.apply_sharded(Tensor::cat(&parts, 0)?)?,
                     None => self.apply(acc)?,
                 };
                 report.grad_norm_per_param = applied.per_param;
@@ -734,20 +735,71 @@ impl PolicyTrainer {
         )
     }
 
-    /// ZeRO-2: reduce-scatters one micro-batch's gradients (`grads`, one per parameter) and adds
-    /// this rank's part to `shard_acc`; the full gradients are dropped.
-    fn accumulate_shard(&self, shard_acc: &mut Option<Tensor>, grads: Vec<Tensor>) -> Result<()> {
-        let Some(zero) = &self.zero else {
-            return Err(TrainError::Invalid(
-                "ZeRO-2 accumulation without a sharded optimizer".into(),
-            ));
-        };
-        let part = zero.reduce_scatter(&grads, &self.parallel)?;
-        *shard_acc = Some(match shard_acc.take() {
-            Some(prev) => (prev + part)?,
-            None => part,
-        });
-        Ok(())
+    /// ZeRO-2: a micro-batch's backward with each bucket's gradients reduce-scattered and
+    /// dropped — a decoder layer's as soon as the checkpointed backward has finished it, the
+    /// others after it — in the layout's reduce order, which every rank keeps. Returns this
+    /// rank's part of each bucket's sums, in bucket order.
+    fn backward_sharded(&self, out: &BatchLogprobs, loss: &Tensor) -> Result<Vec<Tensor>> {
+        let zero = self.sharded()?;
+        let layout = &zero.layout;
+        let mut parts: Vec<Option<Tensor>> = vec![None; layout.buckets()];
+        let mut store = out.backward_with(loss, |l, grads| {
+            let Some(b) = layout.layer_bucket(l) else {
+                return Ok(());
+            };
+            let g = self.take_gradients(layout.bucket_params(b), grads)?;
+            let part = zero
+                .reduce_scatter_bucket(b, &g, &self.parallel)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            parts[b] = Some(part);
+            Ok(())
+        })?;
+        for b in layout.reduce_order() {
+            if parts[b].is_none() {
+                let g = self.take_gradients(layout.bucket_params(b), &mut store)?;
+                parts[b] = Some(zero.reduce_scatter_bucket(b, &g, &self.parallel)?);
+            }
+        }
+        Ok(parts.into_iter().flatten().collect())
+    }
+
+    /// ZeRO-2: a round without a micro-batch on this rank (its share ran out before the
+    /// others'): zeros reduce-scattered in the same order, so every rank's collectives match.
+    fn idle_parts(&self) -> Result<Vec<Tensor>> {
+        let zero = self.sharded()?;
+        let layout = &zero.layout;
+        let mut parts: Vec<Option<Tensor>> = vec![None; layout.buckets()];
+        let mut nothing = GradStore::default();
+        for b in layout.reduce_order() {
+            let g = self.take_gradients(layout.bucket_params(b), &mut nothing)?;
+            parts[b] = Some(zero.reduce_scatter_bucket(b, &g, &self.parallel)?);
+        }
+        Ok(parts.into_iter().flatten().collect())
+    }
+
+    fn sharded(&self) -> Result<&ZeroOptimizer> {
+        self.zero
+            .as_ref()
+            .ok_or_else(|| TrainError::Invalid("a ZeRO-2 step without a sharded optimizer".into()))
+    }
+
+    /// The f32 gradients of parameters `params` taken out of `grads` (zeros for one the loss
+    /// did not reach), so the store no longer holds them.
+    fn take_gradients(
+        &self,
+        params: &[usize],
+        grads: &mut GradStore,
+    ) -> candle_core::Result<Vec<Tensor>> {
+        params
+            .iter()
+            .map(|&p| {
+                let var = self.vars[p].1.as_tensor();
+                match grads.remove(var) {
+                    Some(g) => g.to_dtype(DType::F32),
+                    None => Tensor::zeros(var.shape(), DType::F32, var.device()),
+                }
+            })
+            .collect()
     }
 
     /// [`PolicyTrainer::apply`] under ZeRO-2 with this rank's part of the summed gradients:
@@ -814,6 +866,35 @@ impl PolicyTrainer {
             ("tokens".to_string(), tokens as f64),
         ]))
     }
+}
+
+/// The decoder layers among parameter `names` (`….layers.<l>.…`), each with its parameters'
+/// indexes, by layer: ZeRO-2's per-layer buckets.
+fn decoder_layers<'a>(names: impl Iterator<Item = &'a str>) -> Vec<(usize, Vec<usize>)> {
+    let mut layers: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, name) in names.enumerate() {
+        let layer = name
+            .split_once(".layers.")
+            .and_then(|(_, rest)| rest.split('.').next())
+            .and_then(|l| l.parse::<usize>().ok());
+        if let Some(l) = layer {
+            layers.entry(l).or_default().push(i);
+        }
+    }
+    layers.into_iter().collect()
+}
+
+/// Adds one micro-batch's parts of the bucket sums (ZeRO-2) to the accumulated ones.
+fn add_parts(acc: &mut Option<Vec<Tensor>>, parts: Vec<Tensor>) -> Result<()> {
+    *acc = Some(match acc.take() {
+        None => parts,
+        Some(prev) => prev
+            .into_iter()
+            .zip(parts)
+            .map(|(a, b)| a + b)
+            .collect::<candle_core::Result<_>>()?,
+    });
+    Ok(())
 }
 
 /// A micro-batch's log-probs (host copy, for the report) and loss metrics.

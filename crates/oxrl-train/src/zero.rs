@@ -24,11 +24,13 @@ use std::ops::Range;
 /// is a bucket of its own).
 const BUCKET_ELEMENTS: usize = 16 << 20;
 
-/// One bucket: consecutive parameters, padded to a multiple of the world size.
+/// One bucket: parameters laid end to end, padded to a multiple of the world size.
 #[derive(Debug, Clone)]
 struct Bucket {
     /// The parameters it holds, as indexes into the trainer's variables.
-    params: Range<usize>,
+    params: Vec<usize>,
+    /// The decoder layer whose parameters it holds, when it is one layer's.
+    layer: Option<usize>,
     /// Each parameter's first element within the bucket.
     starts: Vec<usize>,
     /// Elements including the padding.
@@ -47,27 +49,57 @@ pub struct ZeroLayout {
 }
 
 impl ZeroLayout {
-    /// Lays out parameters of `sizes` elements for rank `rank` of `world_size`.
+    /// Lays out parameters of `sizes` elements for rank `rank` of `world_size`, end to end.
     pub fn new(sizes: &[usize], rank: usize, world_size: usize) -> Self {
-        let mut buckets = Vec::new();
-        let mut first = 0;
-        while first < sizes.len() {
-            let mut end = first;
+        Self::grouped(&[], sizes, rank, world_size)
+    }
+
+    /// One bucket per decoder layer (`layers`: the layer's index and its parameters), so a
+    /// layer's gradients can be reduce-scattered as soon as the backward has finished them;
+    /// the other parameters end to end in buckets of at most 16 M elements.
+    pub fn grouped(
+        layers: &[(usize, Vec<usize>)],
+        sizes: &[usize],
+        rank: usize,
+        world_size: usize,
+    ) -> Self {
+        let bucket = |params: Vec<usize>, layer: Option<usize>| {
+            let mut starts = Vec::with_capacity(params.len());
             let mut elements = 0;
-            let mut starts = Vec::new();
-            while end < sizes.len() && (end == first || elements + sizes[end] <= BUCKET_ELEMENTS) {
+            for &p in &params {
                 starts.push(elements);
-                elements += sizes[end];
-                end += 1;
+                elements += sizes[p];
             }
             let padded = elements.div_ceil(world_size) * world_size;
-            buckets.push(Bucket {
-                params: first..end,
+            Bucket {
+                params,
+                layer,
                 starts,
                 padded,
                 mine: chunk(rank, padded, world_size),
-            });
-            first = end;
+            }
+        };
+        let mut buckets: Vec<Bucket> = layers
+            .iter()
+            .map(|(l, params)| bucket(params.clone(), Some(*l)))
+            .collect();
+        let in_layers: std::collections::HashSet<usize> =
+            layers.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+        let rest: Vec<usize> = (0..sizes.len())
+            .filter(|p| !in_layers.contains(p))
+            .collect();
+        let mut current: Vec<usize> = Vec::new();
+        let mut elements = 0;
+        for p in rest {
+            if !current.is_empty() && elements + sizes[p] > BUCKET_ELEMENTS {
+                buckets.push(bucket(std::mem::take(&mut current), None));
+                elements = 0;
+            }
+            current.push(p);
+            elements += sizes[p];
+        }
+        if !current.is_empty() {
+            buckets.push(bucket(current, None));
         }
         ZeroLayout {
             buckets,
@@ -75,6 +107,34 @@ impl ZeroLayout {
             world_size,
             rank,
         }
+    }
+
+    /// The bucket of decoder layer `layer`, if the layout has one.
+    pub fn layer_bucket(&self, layer: usize) -> Option<usize> {
+        self.buckets.iter().position(|b| b.layer == Some(layer))
+    }
+
+    /// The order every rank reduce-scatters the buckets in: the layers' from the last layer to
+    /// the first (the order the checkpointed backward finishes them in), then the others.
+    pub fn reduce_order(&self) -> Vec<usize> {
+        let mut layers: Vec<(usize, usize)> = self
+            .buckets
+            .iter()
+            .enumerate()
+            .filter_map(|(b, bucket)| bucket.layer.map(|l| (l, b)))
+            .collect();
+        layers.sort_by_key(|&(l, _)| std::cmp::Reverse(l));
+        let rest = (0..self.buckets.len()).filter(|&b| self.buckets[b].layer.is_none());
+        layers.into_iter().map(|(_, b)| b).chain(rest).collect()
+    }
+
+    /// The parameters of bucket `b`, as indexes into the trainer's variables.
+    pub fn bucket_params(&self, b: usize) -> &[usize] {
+        &self.buckets[b].params
+    }
+
+    pub fn buckets(&self) -> usize {
+        self.buckets.len()
     }
 
     /// Elements of the optimizer state this rank holds.
@@ -88,7 +148,7 @@ impl ZeroLayout {
         let mut owned = Vec::new();
         let mut at = 0;
         for b in &self.buckets {
-            for (k, p) in b.params.clone().enumerate() {
+            for (k, &p) in b.params.iter().enumerate() {
                 let (start, len) = (b.starts[k], self.sizes[p]);
                 let from = start.max(b.mine.start);
                 let to = (start + len).min(b.mine.end);
@@ -179,26 +239,25 @@ impl ZeroOptimizer {
             .ok_or_else(|| TrainError::Invalid("the optimizer shard holds no state".into()))
     }
 
-    /// Reduce-scatters `grads` (one f32 tensor per parameter): this rank's part of the summed
-    /// gradients, end to end.
-    pub fn reduce_scatter(&self, grads: &[Tensor], parallel: &DataParallel) -> Result<Tensor> {
-        let mut parts = Vec::with_capacity(self.layout.buckets.len());
-        for b in &self.layout.buckets {
-            let mut flat: Vec<Tensor> = grads[b.params.clone()]
-                .iter()
-                .map(|g| g.flatten_all())
-                .collect::<candle_core::Result<_>>()?;
-            let elements: usize = flat.iter().map(|t| t.elem_count()).sum();
-            if b.padded > elements {
-                flat.push(Tensor::zeros(
-                    b.padded - elements,
-                    DType::F32,
-                    grads[0].device(),
-                )?);
-            }
-            parts.push(parallel.reduce_scatter(&Tensor::cat(&flat, 0)?)?);
+    /// Reduce-scatters bucket `b`'s gradients (`grads`: one f32 tensor per parameter of the
+    /// bucket, in [`ZeroLayout::bucket_params`] order): this rank's part of their sums.
+    pub fn reduce_scatter_bucket(
+        &self,
+        b: usize,
+        grads: &[Tensor],
+        parallel: &DataParallel,
+    ) -> Result<Tensor> {
+        let bucket = &self.layout.buckets[b];
+        let mut flat: Vec<Tensor> = grads
+            .iter()
+            .map(|g| g.flatten_all())
+            .collect::<candle_core::Result<_>>()?;
+        let elements: usize = flat.iter().map(|t| t.elem_count()).sum();
+        if bucket.padded > elements {
+            let device = grads.first().map_or(&Device::Cpu, |g| g.device());
+            flat.push(Tensor::zeros(bucket.padded - elements, DType::F32, device)?);
         }
-        Ok(Tensor::cat(&parts, 0)?)
+        parallel.reduce_scatter(&Tensor::cat(&flat, 0)?)
     }
 
     /// Each parameter's squared gradient norm over the whole group, from this rank's part of
@@ -233,7 +292,7 @@ impl ZeroOptimizer {
             let mine = master.narrow(0, at, b.mine.len())?;
             at += b.mine.len();
             let bucket = parallel.all_gather(&mine)?;
-            for (k, p) in b.params.clone().enumerate() {
+            for (k, &p) in b.params.iter().enumerate() {
                 let var = &vars[p];
                 let value = bucket
                     .narrow(0, b.starts[k], self.layout.sizes[p])?

@@ -9,8 +9,8 @@
 //! leaves too; their gradients are gathered over every layer and sent through the vision tower
 //! at the end, whose blocks are checkpointed the same way ([`crate::tower_checkpoints`]).
 //!
-//! This loop is also where data parallelism will reduce-scatter each layer's gradients as soon
-//! as they are complete ([`LayerCheckpoints::backward_with`]).
+//! This loop is also where ZeRO-2 reduce-scatters each layer's gradients as soon as they are
+//! complete ([`LayerCheckpoints::backward_with`]).
 
 use super::lora_dropout::DropoutPass;
 use super::model::{Frame, Qwen3Model};

@@ -52,12 +52,24 @@ impl BatchLogprobs {
     /// The gradients of `loss` (built from these log-probs and entropies) for every weight,
     /// through the recomputed layers when the forward was checkpointed.
     pub fn backward(&self, loss: &Tensor) -> candle_core::Result<GradStore> {
+        self.backward_with(loss, |_, _| Ok(()))
+    }
+
+    /// [`BatchLogprobs::backward`], calling `layer_done(l, grads)` as soon as decoder layer
+    /// `l`'s weight gradients are complete — with checkpointing, from the last layer to the
+    /// first while the backward goes on, so they can be reduce-scattered and dropped; without,
+    /// never (the caller handles every gradient at the end).
+    pub fn backward_with(
+        &self,
+        loss: &Tensor,
+        layer_done: impl FnMut(usize, &mut GradStore) -> candle_core::Result<()>,
+    ) -> candle_core::Result<GradStore> {
         let mut grads = loss.backward()?;
         if let Some(h) = &self.head {
             h.backward(&mut grads)?;
         }
         if let Some(c) = &self.checkpoints {
-            c.backward(&mut grads)?;
+            c.backward_with(&mut grads, layer_done)?;
         }
         Ok(grads)
     }
