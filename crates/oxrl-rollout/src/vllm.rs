@@ -99,6 +99,9 @@ pub struct VllmEngine {
     image_token_id: Option<u32>,
     /// The checkpoint whose tokenizer and processor files go beside the synced weights.
     checkpoint_files: Option<PathBuf>,
+    /// A data-parallel rank other than 0: rank 0 moves the servers' weights, and this engine
+    /// only takes the version once it has ([`VllmEngine::as_follower`]).
+    follower: bool,
 }
 
 /// One prompt as sent: its ids (image pads compact) and its images as vLLM's `content_parts`.
@@ -165,6 +168,7 @@ impl VllmEngine {
             use_completions: Default::default(),
             broadcaster: Default::default(),
             nccl_joined: false,
+            follower: false,
             image_token_id: None,
             checkpoint_files: None,
         })
@@ -186,6 +190,14 @@ impl VllmEngine {
     /// as `oxrl serve` does, keeps processing images as the trainer does).
     pub fn with_checkpoint_files(mut self, dir: &std::path::Path) -> Self {
         self.checkpoint_files = Some(dir.to_path_buf());
+        self
+    }
+
+    /// For a data-parallel rank other than 0, which shares the servers with rank 0: its
+    /// `sync_weights` sends nothing and only takes the version, which rank 0's sync has put on
+    /// the servers by then (the trainer waits for it).
+    pub fn as_follower(mut self) -> Self {
+        self.follower = true;
         self
     }
 
@@ -780,6 +792,10 @@ impl Engine for VllmEngine {
         // Checked before any I/O; the engine takes the version only once the servers have it.
         let mut next = self.version;
         next.advance_to(version)?;
+        if self.follower {
+            self.version = next;
+            return Ok(());
+        }
         match self.spec.sync {
             WeightSync::None => return Ok(()),
             WeightSync::Disk => {
@@ -913,6 +929,7 @@ mod tests {
             use_completions: Default::default(),
             broadcaster: Default::default(),
             nccl_joined: false,
+            follower: false,
             image_token_id: Some(9),
             checkpoint_files: None,
         }

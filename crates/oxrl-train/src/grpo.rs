@@ -252,14 +252,6 @@ impl GrpoRun {
         save_rollouts: bool,
         parallel: DataParallel,
     ) -> Result<Self> {
-        if !parallel.is_single() && cfg.rollout.vllm.is_some() {
-            return Err(TrainError::Invalid(format!(
-                "{}: a data-parallel run ({} ranks) samples with each rank's local engine; \
-                 [rollout] backend = \"vllm\" is for one trainer process in this version",
-                cfg.source.display(),
-                parallel.world_size()
-            )));
-        }
         if cfg.batch_size < parallel.world_size() {
             return Err(TrainError::Invalid(format!(
                 "{}: batch_size = {} prompts cannot be shared by {} ranks; use at least one \
@@ -341,7 +333,7 @@ impl GrpoRun {
         };
         trainer.weight_version = WeightVersion(step);
         let eos = eos_token_ids(&model_dir, Some(&tokenizer))?;
-        let mut engine: Box<dyn Engine> = match &cfg.rollout.vllm {
+        let engine: Box<dyn Engine> = match &cfg.rollout.vllm {
             None => Box::new(LocalEngine::new(
                 Arc::from(trainer.policy.detached()),
                 Some(tokenizer.clone()),
@@ -361,10 +353,13 @@ impl GrpoRun {
                         .map(|p| p.tokens.image_token_id),
                 )
                 .with_checkpoint_files(&model_dir);
-                Box::new(with_nccl(remote, trainer.policy.device())?)
+                // The ranks share the servers; rank 0 alone moves their weights.
+                match trainer.parallel.is_main() {
+                    true => Box::new(with_nccl(remote, trainer.policy.device())?),
+                    false => Box::new(remote.as_follower()),
+                }
             }
         };
-        engine.sync_weights(trainer.policy.as_ref(), trainer.weight_version)?;
         let order = DataOrder::new(prompts.len(), cfg.seed, cfg.data.shuffle, cursor);
         let main = trainer.parallel.is_main();
         let metrics = match main {
@@ -379,7 +374,7 @@ impl GrpoRun {
             let addr = gauges.serve(&cfg.prometheus_host, port)?;
             note!("prometheus: serving http://{addr}/metrics");
         }
-        Ok(Self {
+        let mut run = Self {
             cfg,
             model_dir,
             trainer,
@@ -394,7 +389,29 @@ impl GrpoRun {
             gauges,
             save_rollouts,
             _run_dir: run_dir,
-        })
+        };
+        run.sync_engine()?;
+        Ok(run)
+    }
+
+    /// Puts the trainer's weights on the engine. Ranks sharing vLLM servers: rank 0 moves them,
+    /// every rank waits until it has, then the others take the new version.
+    fn sync_engine(&mut self) -> Result<()> {
+        let version = self.trainer.weight_version;
+        let policy = self.trainer.policy.as_ref();
+        let shared = self.cfg.rollout.vllm.is_some() && !self.trainer.parallel.is_single();
+        if !shared {
+            return Ok(self.engine.sync_weights(policy, version)?);
+        }
+        let main = self.trainer.parallel.is_main();
+        if main {
+            self.engine.sync_weights(policy, version)?;
+        }
+        self.trainer.parallel.any(false)?;
+        if !main {
+            self.engine.sync_weights(policy, version)?;
+        }
+        Ok(())
     }
 
     /// Runs until `max_steps` steps are done (counting steps before a resume), or until
@@ -492,11 +509,7 @@ impl GrpoRun {
         let (trajs, rewards, sampling) = self.sample(&mut time)?;
         let learned = learn(&mut self.trainer, &trajs, &mut time)?;
         self.step += 1;
-        let version = self.trainer.weight_version;
-        time.time("weight_sync", || {
-            self.engine
-                .sync_weights(self.trainer.policy.as_ref(), version)
-        })?;
+        time.time("weight_sync", || self.sync_engine())?;
         if self.save_rollouts && self.trainer.parallel.is_main() {
             self.write_rollouts(&trajs)?;
         }

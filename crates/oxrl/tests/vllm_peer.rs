@@ -3,8 +3,8 @@
 //! steps against it. With `sync = "disk"` every step's `rollout_logprob_diff` (vLLM's log-probs
 //! against the trainer's for the same tokens) stays ≤ 1e-5 and the samples carry the advancing
 //! weight versions; with `sync = "none"` the server keeps the start weights and the diff grows,
-//! which shows the sync really moved the weights. A LoRA run syncs the merged weights: its diff
-//! stays ≤ 1e-5 too.
+//! which shows the sync really moved the weights. Two data-parallel ranks share the server, rank
+//! 0 moving its weights. A LoRA run syncs the merged weights: its diff stays ≤ 1e-5 too.
 
 use candle_core::{DType, Device};
 use oxrl_fixtures::{repo, temp_dir, VllmProcess};
@@ -119,6 +119,43 @@ fn grpo_on_a_vllm_server_syncs_weights_through_disk() {
             assert_eq!(t["weight_version"].as_u64(), Some(step - 1), "{line}");
         }
     }
+    // Two data-parallel ranks (torchrun) share the server: each samples its share of the
+    // prompts there, rank 0 alone reloads the weights after each update and the other waits
+    // for it; every sample of every rank comes from the current weights.
+    let torchrun = python.with_file_name("torchrun");
+    let ranks_out = dir.join("ranks");
+    let r = Command::new(&torchrun)
+        .args([
+            "--nproc_per_node",
+            "2",
+            "--no-python",
+            env!("CARGO_BIN_EXE_oxrl"),
+        ])
+        .args(["train", "--config"])
+        .arg(config(&dir, "ranks", &policy, &server.url, "disk"))
+        .args(["--output-dir", s(&ranks_out), "--save-rollouts"])
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    for (i, m) in metrics(&ranks_out).iter().enumerate() {
+        let diff = m["rollout_logprob_diff"].as_f64().unwrap();
+        assert!(
+            diff <= 1e-5,
+            "2 ranks, step {}: rollout_logprob_diff {diff}",
+            i + 1
+        );
+    }
+    for step in 1..=3u64 {
+        let text =
+            std::fs::read_to_string(ranks_out.join(format!("rollouts/step-{step}.jsonl"))).unwrap();
+        // Both ranks' samples (the whole batch: 4 prompts × 4), each from the current weights.
+        assert_eq!(text.lines().count(), 16);
+        for line in text.lines() {
+            let t: Value = serde_json::from_str(line).unwrap();
+            assert_eq!(t["weight_version"].as_u64(), Some(step - 1), "{line}");
+        }
+    }
+
     // LoRA: the server gets the base with the adapters merged in, step after step.
     let lora_config = config(&dir, "lora", &policy, &server.url, "disk");
     let text = std::fs::read_to_string(&lora_config).unwrap();
