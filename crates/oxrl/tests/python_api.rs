@@ -141,9 +141,13 @@ fn a_failed_run_raises_the_binarys_message() {
 const RAY_RUN: &str = r#"
 import json, os, signal, sys, threading, time
 import ray, oxrl
+import tomllib
 config, out, kill = sys.argv[1], sys.argv[2], sys.argv[3] == "kill"
 ray.init(num_cpus=2, include_dashboard=False)
-trainer = oxrl.Trainer(config, output_dir=out, num_workers=2, use_gpu=False, max_restarts=1)
+# The run as a dict (the demo's TOML read back; its paths are absolute).
+with open(config, "rb") as f:
+    as_dict = tomllib.load(f)
+trainer = oxrl.Trainer(as_dict, output_dir=out, num_workers=2, use_gpu=False, max_restarts=1)
 
 def kill_rank_1():
     # Once step 1's checkpoint exists, kill the process whose environment says RANK=1.
