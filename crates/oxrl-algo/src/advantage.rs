@@ -27,6 +27,10 @@ registry! {
             "REINFORCE++-baseline: r_i − mean_g r, whitened over every token of the batch";
         ReinforcePlusPlus = "reinforce_plus_plus" => Estimator { compute: reinforce_plus_plus, norm_adv_by_std: true },
             "REINFORCE++: the γ-discounted return of each token (reward at the last token), whitened over every token of the batch";
+        Opo = "opo" => Estimator { compute: opo, norm_adv_by_std: false },
+            "A_i = r_i − Σ_j |o_j| r_j / Σ_j |o_j| over the group: the length-weighted baseline (OPO)";
+        Gpg = "gpg" => Estimator { compute: gpg, norm_adv_by_std: false },
+            "A_i = α (r_i − mean_g r), α = B / #{responses with r ≠ 0} in the batch (GPG)";
     }
 }
 
@@ -162,6 +166,38 @@ fn reinforce_plus_plus(b: &Batch, cfg: &AdvantageConfig) -> Vec<Vec<f64>> {
     discounted_whitened(&token_rewards, cfg.gamma).advantages
 }
 
+/// OPO (Hao et al., *On-Policy RL with Optimal Reward Baseline*, 2025): the group baseline is
+/// the mean reward weighted by response length. A group of one keeps its reward.
+fn opo(b: &Batch, _: &AdvantageConfig) -> Vec<Vec<f64>> {
+    let r = b.rewards;
+    let lens = b.token_counts;
+    b.broadcast(b.per_group(|group, _, i| {
+        let total: f64 = group.iter().map(|&j| lens[j] as f64).sum();
+        let weighted: f64 = group.iter().map(|&j| lens[j] as f64 * r[j]).sum();
+        r[i] - weighted / total
+    }))
+}
+
+/// GPG (Chu et al., *GPG: A Simple and Strong Reinforcement Learning Baseline*, 2025): the
+/// group mean removed, scaled by α = B / (responses with a non-zero reward, at least 1) so the
+/// gradient is not diluted by the batch's zero-reward responses; a group of one has mean 0.
+fn gpg(b: &Batch, _: &AdvantageConfig) -> Vec<Vec<f64>> {
+    let r = b.rewards;
+    let nonzero = r.iter().filter(|&&x| x != 0.0).count().max(1);
+    let alpha = r.len() as f64 / nonzero as f64;
+    let mut adv = vec![0.0; r.len()];
+    for group in &b.groups {
+        let m = match group.len() {
+            1 => 0.0,
+            _ => mean(group.iter().map(|&i| r[i])),
+        };
+        for &i in group {
+            adv[i] = alpha * (r[i] - m);
+        }
+    }
+    b.broadcast(adv)
+}
+
 /// Fraction of groups whose rewards are all equal (their GRPO advantages are all 0).
 pub fn frac_zero_std_groups<G: Eq + std::hash::Hash>(rewards: &[f64], uids: &[G]) -> f64 {
     let gs = groups(uids);
@@ -243,6 +279,31 @@ mod tests {
         };
         let adv = compute_advantages(&[3.0, 0.0, 0.0], &[0, 0, 0], &[1; 3], &cfg);
         close(&adv, &[3.0, -1.5, -1.5]);
+    }
+
+    #[test]
+    fn opo_weights_the_baseline_by_length() {
+        // Group: r = 1 (3 tokens), 0 (1 token): baseline (3·1 + 1·0) / 4 = 0.75.
+        let cfg = AdvantageConfig {
+            estimator: AdvantageEstimator::Opo,
+            ..Default::default()
+        };
+        let adv = compute_advantages(&[1.0, 0.0], &[0, 0], &[3, 1], &cfg);
+        assert_eq!(adv, vec![vec![0.25; 3], vec![-0.75]]);
+    }
+
+    #[test]
+    fn gpg_scales_by_the_share_of_nonzero_rewards() {
+        // r = 1, 0, 0, 0 in one group: mean 0.25, α = 4 / 1 = 4 → 3, −1, −1, −1; a group of one
+        // (r = 0.5) in the same batch: α = 5 / 2, mean 0.
+        let cfg = AdvantageConfig {
+            estimator: AdvantageEstimator::Gpg,
+            ..Default::default()
+        };
+        let adv = compute_advantages(&[1.0, 0.0, 0.0, 0.0], &[0; 4], &[1; 4], &cfg);
+        close(&adv, &[3.0, -1.0, -1.0, -1.0]);
+        let adv = compute_advantages(&[1.0, 0.0, 0.0, 0.0, 0.5], &[0, 0, 0, 0, 1], &[1; 5], &cfg);
+        close(&adv, &[1.875, -0.625, -0.625, -0.625, 1.25]);
     }
 
     #[test]

@@ -171,3 +171,47 @@ fn rollout_correction_matches_verl() {
         }
     }
 }
+
+/// OPO and GPG from outcome rewards (with zero rewards and a group of one) equal verl's. verl
+/// takes GPG's α = B / #nonzero as a float32 tensor, so GPG agrees to its rounding (1e-7).
+#[test]
+fn opo_and_gpg_match_verl() {
+    let data = expected();
+    let cases = data["outcome_cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2);
+    for (k, case) in cases.iter().enumerate() {
+        let rewards: Vec<f64> = case["rewards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        let uids: Vec<u64> = case["uids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let lens: Vec<usize> = case["lengths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect();
+        for (name, rel) in [("opo", 1e-12), ("gpg", 1e-7)] {
+            let cfg = AdvantageConfig {
+                estimator: AdvantageEstimator::from_name(name).unwrap(),
+                ..Default::default()
+            };
+            let got = compute_advantages(&rewards, &uids, &lens, &cfg);
+            let want = rows(&case[name]);
+            for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                assert!(
+                    (g - w).abs() <= rel * (1.0 + w.abs()),
+                    "case {k} {name}: {g} vs verl's {w}"
+                );
+            }
+            assert_eq!(got.iter().flatten().count(), want.iter().flatten().count());
+        }
+    }
+}

@@ -67,5 +67,21 @@ for case, (lengths, gamma, lam) in enumerate(
         }
     )
 
-json.dump({"verl": "0.9.1", "cases": cases}, sys.stdout, indent=1)
+# Outcome-reward estimators on fixed batches with zero rewards and a group of one (GPG's α
+# counts the batch's non-zero rewards).
+outcome_cases = []
+for lengths, rewards, uids in [
+    ([3, 5, 1, 4, 2], [1.0, 0.0, 0.5, 0.0, 2.0], [0, 0, 1, 1, 2]),
+    ([2, 2, 6, 3], [0.25, -1.0, 0.0, 0.75], [7, 7, 7, 7]),
+]:
+    width = max(lengths)
+    mask = right_padded_mask(lengths, width)
+    outcome = outcome_rewards(rewards, lengths, width)
+    opo, _ = core_algos.compute_opo_outcome_advantage(outcome.clone(), mask, index=uids)
+    gpg, _ = core_algos.compute_gpg_outcome_advantage(outcome.clone(), mask, index=uids)
+    outcome_cases.append(
+        {"lengths": lengths, "rewards": rewards, "uids": uids, "opo": rows(opo, lengths), "gpg": rows(gpg, lengths)}
+    )
+
+json.dump({"verl": "0.9.1", "cases": cases, "outcome_cases": outcome_cases}, sys.stdout, indent=1)
 sys.stdout.write("\n")
