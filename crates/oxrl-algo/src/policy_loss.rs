@@ -27,6 +27,9 @@ registry! {
         Gspo = "gspo" => gspo,
             "the PPO clip on a sequence-level ratio s_i = exp(mean_t(logp − logp_old)) (GSPO)";
         Cispo = "cispo" => cispo, "L = −sg[clip(ρ, 1−ε_low, 1+ε_high)] · A · logp (CISPO)";
+        Sapo = "sapo" => sapo,
+            "L = −A·σ(τ(ρ − 1))·4/τ, τ = tau_pos for A > 0 and tau_neg otherwise: a smooth trust region instead of the clip (SAPO)";
+        Gpg = "gpg" => gpg, "L = −A·logp: the policy gradient with no ratio (GPG)";
     }
 }
 
@@ -37,6 +40,9 @@ pub struct PolicyLossConfig {
     pub clip_high: f64,
     /// The dual-clip constant c for negative advantages (`ppo_clip` only); `None` = no dual clip.
     pub dual_clip_c: Option<f64>,
+    /// SAPO's gate temperatures for positive and for other advantages.
+    pub tau_pos: f64,
+    pub tau_neg: f64,
 }
 
 impl Default for PolicyLossConfig {
@@ -46,6 +52,9 @@ impl Default for PolicyLossConfig {
             clip_low: 0.2,
             clip_high: 0.2,
             dual_clip_c: None,
+            // verl's defaults (tau_neg > tau_pos: negative updates gated harder).
+            tau_pos: 1.0,
+            tau_neg: 1.05,
         }
     }
 }
@@ -171,12 +180,77 @@ fn cispo(cfg: &PolicyLossConfig, x: &Inputs) -> Result<PolicyLossOutput> {
     })
 }
 
+/// SAPO (Gao et al., *Soft Adaptive Policy Optimization*, 2025): the gate
+/// f(ρ) = σ(τ(ρ − 1))·4/τ replaces the clip; its slope 4σ(1 − σ) is 1 on-policy and fades
+/// smoothly as ρ leaves 1, faster for larger τ.
+fn sapo(cfg: &PolicyLossConfig, x: &Inputs) -> Result<PolicyLossOutput> {
+    let ratio = token_ratio(x)?;
+    let adv = x.adv.to_vec1::<f32>()?;
+    let taus: Vec<f32> = adv
+        .iter()
+        .map(|&a| if a > 0.0 { cfg.tau_pos } else { cfg.tau_neg } as f32)
+        .collect();
+    let tau = Tensor::from_vec(taus, adv.len(), x.logp.device())?;
+    // σ(z) = 1 / (1 + e^{−z}), z = τ(ρ − 1).
+    let z = ((&ratio - 1.0)? * &tau)?;
+    let sigmoid = (z.neg()?.exp()? + 1.0)?.recip()?;
+    let gate = ((sigmoid * 4.0)? / &tau)?;
+    let per_token = (gate * x.adv)?.neg()?;
+    Ok(PolicyLossOutput {
+        per_token,
+        ratio: ratio.to_vec1()?,
+        clipped: 0,
+        dual_clipped: 0,
+    })
+}
+
+/// GPG (Chu et al., 2025): the plain policy gradient −A·logp, with `gpg`'s advantages.
+fn gpg(_: &PolicyLossConfig, x: &Inputs) -> Result<PolicyLossOutput> {
+    let ratio = token_ratio(x)?;
+    Ok(PolicyLossOutput {
+        per_token: (x.logp * x.adv)?.neg()?,
+        ratio: ratio.to_vec1()?,
+        clipped: 0,
+        dual_clipped: 0,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
     /// Loss values and d(Σ L)/d logp for single tokens.
+    /// On-policy (ρ = 1) the gate is σ(0)·4/τ = 2/τ and its slope 1: L = −2A/τ, dL/dlogp = −A.
+    /// At ρ = e (log-ratio 1), A = 1, τ = 1: L = −4σ(e − 1), slope 4σ(1 − σ)·ρ.
+    #[test]
+    fn sapo_gate_by_hand() {
+        let cfg = PolicyLossConfig {
+            kind: PolicyLoss::Sapo,
+            ..Default::default()
+        };
+        let (l, g, clipped, _) = run(&cfg, &[-1.0, -2.0], &[-1.0, -2.0], &[2.0, -1.0], &[2]);
+        close(&l, &[-4.0, 2.0 / 1.05]);
+        close(&g, &[-2.0, 1.0]);
+        assert_eq!(clipped, 0);
+        let s = 1.0 / (1.0 + (-(1f32.exp() - 1.0)).exp());
+        let (l, g, _, _) = run(&cfg, &[1.0], &[0.0], &[1.0], &[1]);
+        close(&l, &[-4.0 * s]);
+        close(&g, &[-4.0 * s * (1.0 - s) * 1f32.exp()]);
+    }
+
+    /// −A·logp: the loss is the log-prob times −A, its gradient −A whatever the ratio.
+    #[test]
+    fn gpg_is_the_plain_policy_gradient() {
+        let cfg = PolicyLossConfig {
+            kind: PolicyLoss::Gpg,
+            ..Default::default()
+        };
+        let (l, g, _, _) = run(&cfg, &[-0.5, -2.0], &[-3.0, -2.0], &[1.5, -1.0], &[2]);
+        close(&l, &[0.75, -2.0]);
+        close(&g, &[-1.5, 1.0]);
+    }
+
     fn run(
         cfg: &PolicyLossConfig,
         logp: &[f32],

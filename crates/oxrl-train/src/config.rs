@@ -390,6 +390,8 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
             clip_low: given.value("algorithm.clip_low"),
             clip_high: given.value("algorithm.clip_high"),
             dual_clip_c: given.get("algorithm.dual_clip_c"),
+            tau_pos: given.value("algorithm.tau_pos"),
+            tau_neg: given.value("algorithm.tau_neg"),
         },
         kl_coef: given.value("algorithm.kl_coef"),
         kl_estimator: entry(given, "algorithm.kl_estimator", KlEstimator::from_name)?,

@@ -408,6 +408,8 @@ pub const KEYS: &[KeySpec] = table! {
     key("algorithm", "policy_loss", Kind::OneOf(registry::<PolicyLoss>), Value("\"ppo_clip\""), "policy loss per token"),
     key("algorithm", "clip_low", Kind::Float(NonNegative), Value("0.2"), "lower clip epsilon"),
     key("algorithm", "clip_high", Kind::Float(NonNegative), Value("0.2"), "upper clip epsilon (0.28 = DAPO clip-higher)"),
+    key("algorithm", "tau_pos", Kind::Float(Positive), Value("1.0"), "sapo: the gate temperature for positive advantages"),
+    key("algorithm", "tau_neg", Kind::Float(Positive), Value("1.05"), "sapo: the gate temperature for the other advantages (above tau_pos: negative updates gated harder)"),
     key("algorithm", "dual_clip_c", Kind::Float(AboveOne), Text("none"), "dual-clip constant for negative advantages (ppo_clip), about 3"),
     key("algorithm", "kl_coef", Kind::Float(NonNegative), Value("0.0"), "beta of the KL loss term; 0 loads no reference model"),
     key("algorithm", "kl_estimator", Kind::OneOf(registry::<KlEstimator>), Value("\"k3\""), "KL estimator per token, δ = logp − logp_ref"),
