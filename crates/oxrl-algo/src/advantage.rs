@@ -1,36 +1,57 @@
-//! Advantage estimators from outcome rewards (one scalar per response): an advantage per
-//! response token. The group estimators give every token of a response the same value;
-//! REINFORCE++ discounts the reward back through the response ([`crate::returns`]). Groups are
-//! the responses sharing a prompt uid. Each estimator's formula and paper:
+//! Advantage estimators: an advantage per response token from the batch's rewards. The group
+//! estimators give every token of a response the same value; REINFORCE++ discounts the reward
+//! back through the response and GAE bootstraps from a critic's values ([`crate::returns`]).
+//! Groups are the responses sharing a prompt uid. Each estimator's formula and paper:
 //! `docs/rl-algorithms.md`, "Advantage estimators" (one section per registered name).
+//!
+//! Rewards are per token: each response's outcome reward at its last token, plus any per-token
+//! terms (a KL penalty folded into the reward). The token-level estimators read them as they
+//! are; the group estimators score a response by their sum, as verl does.
 
-use crate::returns::{outcome_token_rewards, reinforce_plus_plus as discounted_whitened, whiten};
+use crate::registry::Registered;
+use crate::returns::{
+    discounted_returns, gae as gae_returns, outcome_token_rewards, whiten, TokenAdvantages,
+};
 use std::collections::HashMap;
 
-/// An estimator: how a batch's rewards become per-token advantages, and the default of
-/// `norm_adv_by_std` the config resolves for it.
+/// An estimator: how a batch's rewards become per-token advantages (and returns), the default
+/// of `norm_adv_by_std` the config resolves for it, and whether it needs a critic's values.
 #[derive(Clone, Copy)]
 struct Estimator {
-    compute: fn(&Batch, &AdvantageConfig) -> Vec<Vec<f64>>,
+    compute: fn(&Batch, &AdvantageConfig) -> TokenAdvantages,
     norm_adv_by_std: bool,
+    needs_values: bool,
+}
+
+/// An estimator whose advantages are also its returns (no critic to fit them to).
+macro_rules! outcome {
+    ($f:ident, $norm:expr) => {
+        Estimator {
+            compute: |b, cfg| TokenAdvantages::same($f(b, cfg)),
+            norm_adv_by_std: $norm,
+            needs_values: false,
+        }
+    };
 }
 
 registry! {
     pub enum AdvantageEstimator: "advantage estimator" => Estimator {
-        Grpo = "grpo" => Estimator { compute: grpo, norm_adv_by_std: true },
+        Grpo = "grpo" => outcome!(grpo, true),
             "A_i = (r_i − mean_g r) / (std_g r + ε), std with n − 1 (GRPO)";
-        DrGrpo = "dr_grpo" => Estimator { compute: grpo, norm_adv_by_std: false },
+        DrGrpo = "dr_grpo" => outcome!(grpo, false),
             "GRPO without the std: A_i = r_i − mean_g r (Dr. GRPO; norm_adv_by_std defaults to false)";
-        Rloo = "rloo" => Estimator { compute: rloo, norm_adv_by_std: true },
+        Rloo = "rloo" => outcome!(rloo, true),
             "leave-one-out baseline: A_i = r_i − mean_{j≠i} r_j (RLOO)";
-        ReinforceBaseline = "reinforce_baseline" | "reinforce_plus_plus_baseline" => Estimator { compute: reinforce_baseline, norm_adv_by_std: true },
+        ReinforceBaseline = "reinforce_baseline" | "reinforce_plus_plus_baseline" => outcome!(reinforce_baseline, true),
             "REINFORCE++-baseline: r_i − mean_g r, whitened over every token of the batch";
-        ReinforcePlusPlus = "reinforce_plus_plus" => Estimator { compute: reinforce_plus_plus, norm_adv_by_std: true },
+        ReinforcePlusPlus = "reinforce_plus_plus" => Estimator { compute: reinforce_plus_plus, norm_adv_by_std: true, needs_values: false },
             "REINFORCE++: the γ-discounted return of each token (reward at the last token), whitened over every token of the batch";
-        Opo = "opo" => Estimator { compute: opo, norm_adv_by_std: false },
+        Opo = "opo" => outcome!(opo, false),
             "A_i = r_i − Σ_j |o_j| r_j / Σ_j |o_j| over the group: the length-weighted baseline (OPO)";
-        Gpg = "gpg" => Estimator { compute: gpg, norm_adv_by_std: false },
+        Gpg = "gpg" => outcome!(gpg, false),
             "A_i = α (r_i − mean_g r), α = B / #{responses with r ≠ 0} in the batch (GPG)";
+        Gae = "gae" => Estimator { compute: gae, norm_adv_by_std: false, needs_values: true },
+            "PPO with a critic: δ_t = r_t + γV_{t+1} − V_t, A_t = Σ_k (γλ)^k δ_{t+k}, whitened over the batch; the critic fits A + V (needs [critic])";
     }
 }
 
@@ -38,6 +59,11 @@ impl AdvantageEstimator {
     /// Whether this estimator divides by the group std when `norm_adv_by_std` is not given.
     pub fn norm_adv_by_std_default(self) -> bool {
         self.implementation().norm_adv_by_std
+    }
+
+    /// Whether this estimator bootstraps from a critic's values (`gae`).
+    pub fn needs_values(self) -> bool {
+        self.implementation().needs_values
     }
 }
 
@@ -48,8 +74,10 @@ pub struct AdvantageConfig {
     pub norm_adv_by_std: bool,
     /// ε in the GRPO denominator: 1e-6 as verl and SkyRL (TRL uses 1e-4).
     pub eps: f64,
-    /// γ, the discount of REINFORCE++'s returns (1: every token gets the whole reward).
+    /// γ, the discount of REINFORCE++'s and GAE's returns (1: every token gets the whole reward).
     pub gamma: f64,
+    /// λ, GAE's trade of bias (0: one-step TD) against variance (1: Monte Carlo returns).
+    pub lam: f64,
 }
 
 impl Default for AdvantageConfig {
@@ -60,15 +88,19 @@ impl Default for AdvantageConfig {
             norm_adv_by_std: estimator.norm_adv_by_std_default(),
             eps: 1e-6,
             gamma: 1.0,
+            lam: 1.0,
         }
     }
 }
 
-/// One response's reward per entry, its group, and its token count.
+/// One response's reward per entry (the sum of its token rewards), its group, its token count,
+/// its per-token rewards and, for GAE, the critic's value of each of its tokens.
 struct Batch<'a> {
     rewards: &'a [f64],
     groups: Vec<Vec<usize>>,
     token_counts: &'a [usize],
+    token_rewards: &'a [Vec<f64>],
+    values: &'a [Vec<f64>],
 }
 
 impl Batch<'_> {
@@ -117,20 +149,92 @@ fn mean(xs: impl Iterator<Item = f64> + Clone) -> f64 {
     xs.sum::<f64>() / n as f64
 }
 
-/// Advantages per response token (`[i][t]`: response `i`, token `t`). `uids[i]` names the prompt
-/// of response `i` (groups need not be contiguous); `token_counts[i]` is its response length.
+/// What an estimator reads of a batch. `uids[i]` names the prompt of response `i` (groups need
+/// not be contiguous); `token_counts[i]` is its response length.
+pub struct AdvantageInputs<'a, G> {
+    /// Each response's outcome reward.
+    pub rewards: &'a [f64],
+    pub uids: &'a [G],
+    pub token_counts: &'a [usize],
+    /// Per-token terms added to the rewards (`−β·KL_t` when the KL penalty is in the reward);
+    /// `None`: the outcome reward alone.
+    pub token_penalties: Option<&'a [Vec<f64>]>,
+    /// The critic's value of each response token (`gae` only).
+    pub values: Option<&'a [Vec<f64>]>,
+}
+
+/// A batch the estimator cannot read: missing or misshapen per-token inputs.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("advantage estimator `{estimator}`: {problem}")]
+pub struct AdvantageError {
+    pub estimator: &'static str,
+    pub problem: String,
+}
+
+/// Advantages and returns per response token (`[i][t]`: response `i`, token `t`).
+pub fn estimate_advantages<G: Eq + std::hash::Hash>(
+    inputs: &AdvantageInputs<G>,
+    cfg: &AdvantageConfig,
+) -> Result<TokenAdvantages, AdvantageError> {
+    let counts = inputs.token_counts;
+    let fail = |problem: String| AdvantageError {
+        estimator: cfg.estimator.name(),
+        problem,
+    };
+    let shaped = |rows: &[Vec<f64>], what: &str| -> Result<(), AdvantageError> {
+        let lens: Vec<usize> = rows.iter().map(Vec::len).collect();
+        match lens == counts {
+            true => Ok(()),
+            false => Err(fail(format!(
+                "{what} have lengths {lens:?} for responses of {counts:?} tokens"
+            ))),
+        }
+    };
+    let mut token_rewards = outcome_token_rewards(inputs.rewards, counts);
+    let mut summed = inputs.rewards.to_vec();
+    if let Some(penalties) = inputs.token_penalties {
+        shaped(penalties, "the per-token reward terms")?;
+        for ((row, p), total) in token_rewards.iter_mut().zip(penalties).zip(&mut summed) {
+            for (r, x) in row.iter_mut().zip(p) {
+                *r += x;
+            }
+            *total = row.iter().sum();
+        }
+    }
+    let values = match (inputs.values, cfg.estimator.needs_values()) {
+        (Some(v), _) => {
+            shaped(v, "the values")?;
+            v
+        }
+        (None, true) => return Err(fail("needs a critic's values ([critic])".into())),
+        (None, false) => &[],
+    };
+    let batch = Batch {
+        rewards: &summed,
+        groups: groups(inputs.uids),
+        token_counts: counts,
+        token_rewards: &token_rewards,
+        values,
+    };
+    Ok((cfg.estimator.implementation().compute)(&batch, cfg))
+}
+
+/// Advantages per response token from outcome rewards alone (no per-token terms, no critic):
+/// [`estimate_advantages`] for the estimators that need nothing more (`gae` is an error here).
 pub fn compute_advantages<G: Eq + std::hash::Hash>(
     rewards: &[f64],
     uids: &[G],
     token_counts: &[usize],
     cfg: &AdvantageConfig,
-) -> Vec<Vec<f64>> {
-    let batch = Batch {
+) -> Result<Vec<Vec<f64>>, AdvantageError> {
+    let inputs = AdvantageInputs {
         rewards,
-        groups: groups(uids),
+        uids,
         token_counts,
+        token_penalties: None,
+        values: None,
     };
-    (cfg.estimator.implementation().compute)(&batch, cfg)
+    estimate_advantages(&inputs, cfg).map(|a| a.advantages)
 }
 
 fn grpo(b: &Batch, cfg: &AdvantageConfig) -> Vec<Vec<f64>> {
@@ -161,9 +265,18 @@ fn reinforce_baseline(b: &Batch, _: &AdvantageConfig) -> Vec<Vec<f64>> {
     adv
 }
 
-fn reinforce_plus_plus(b: &Batch, cfg: &AdvantageConfig) -> Vec<Vec<f64>> {
-    let token_rewards = outcome_token_rewards(b.rewards, b.token_counts);
-    discounted_whitened(&token_rewards, cfg.gamma).advantages
+fn reinforce_plus_plus(b: &Batch, cfg: &AdvantageConfig) -> TokenAdvantages {
+    let returns = discounted_returns(b.token_rewards, cfg.gamma);
+    let mut advantages = returns.clone();
+    whiten(&mut advantages);
+    TokenAdvantages {
+        advantages,
+        returns,
+    }
+}
+
+fn gae(b: &Batch, cfg: &AdvantageConfig) -> TokenAdvantages {
+    gae_returns(b.token_rewards, b.values, cfg.gamma, cfg.lam)
 }
 
 /// OPO (Hao et al., *On-Policy RL with Optimal Reward Baseline*, 2025): the group baseline is
@@ -238,7 +351,8 @@ mod tests {
         // Group a: rewards 1, 0 → mean 0.5, unbiased std √0.5 → ±0.5/√0.5 = ±√0.5.
         // Group b: all equal → 0 (the ε keeps 0/0 away).
         let cfg = AdvantageConfig::default();
-        let adv = compute_advantages(&[1.0, 2.0, 0.0, 2.0], &["a", "b", "a", "b"], &[1; 4], &cfg);
+        let adv = compute_advantages(&[1.0, 2.0, 0.0, 2.0], &["a", "b", "a", "b"], &[1; 4], &cfg)
+            .unwrap();
         let h = 0.5 / (0.5f64.sqrt() + 1e-6);
         close(&adv, &[h, 0.0, -h, 0.0]);
         assert_eq!(
@@ -253,7 +367,7 @@ mod tests {
             norm_adv_by_std: false,
             ..Default::default()
         };
-        let adv = compute_advantages(&[1.0, 0.0, 0.5], &[0, 0, 0], &[1; 3], &cfg);
+        let adv = compute_advantages(&[1.0, 0.0, 0.5], &[0, 0, 0], &[1; 3], &cfg).unwrap();
         close(&adv, &[0.5, -0.5, 0.0]);
     }
 
@@ -266,7 +380,7 @@ mod tests {
             norm_adv_by_std: estimator.norm_adv_by_std_default(),
             ..Default::default()
         };
-        let adv = compute_advantages(&[1.0, 0.0, 0.5], &[0, 0, 0], &[1; 3], &cfg);
+        let adv = compute_advantages(&[1.0, 0.0, 0.5], &[0, 0, 0], &[1; 3], &cfg).unwrap();
         close(&adv, &[0.5, -0.5, 0.0]);
     }
 
@@ -277,7 +391,7 @@ mod tests {
             estimator: AdvantageEstimator::Rloo,
             ..Default::default()
         };
-        let adv = compute_advantages(&[3.0, 0.0, 0.0], &[0, 0, 0], &[1; 3], &cfg);
+        let adv = compute_advantages(&[3.0, 0.0, 0.0], &[0, 0, 0], &[1; 3], &cfg).unwrap();
         close(&adv, &[3.0, -1.5, -1.5]);
     }
 
@@ -288,7 +402,7 @@ mod tests {
             estimator: AdvantageEstimator::Opo,
             ..Default::default()
         };
-        let adv = compute_advantages(&[1.0, 0.0], &[0, 0], &[3, 1], &cfg);
+        let adv = compute_advantages(&[1.0, 0.0], &[0, 0], &[3, 1], &cfg).unwrap();
         assert_eq!(adv, vec![vec![0.25; 3], vec![-0.75]]);
     }
 
@@ -300,15 +414,16 @@ mod tests {
             estimator: AdvantageEstimator::Gpg,
             ..Default::default()
         };
-        let adv = compute_advantages(&[1.0, 0.0, 0.0, 0.0], &[0; 4], &[1; 4], &cfg);
+        let adv = compute_advantages(&[1.0, 0.0, 0.0, 0.0], &[0; 4], &[1; 4], &cfg).unwrap();
         close(&adv, &[3.0, -1.0, -1.0, -1.0]);
-        let adv = compute_advantages(&[1.0, 0.0, 0.0, 0.0, 0.5], &[0, 0, 0, 0, 1], &[1; 5], &cfg);
+        let adv = compute_advantages(&[1.0, 0.0, 0.0, 0.0, 0.5], &[0, 0, 0, 0, 1], &[1; 5], &cfg)
+            .unwrap();
         close(&adv, &[1.875, -0.625, -0.625, -0.625, 1.25]);
     }
 
     #[test]
     fn a_group_of_one_keeps_its_reward() {
-        let adv = compute_advantages(&[0.7], &[0], &[3], &AdvantageConfig::default());
+        let adv = compute_advantages(&[0.7], &[0], &[3], &AdvantageConfig::default()).unwrap();
         close(&adv, &[0.7]);
     }
 
@@ -320,7 +435,7 @@ mod tests {
             estimator: AdvantageEstimator::ReinforceBaseline,
             ..Default::default()
         };
-        let adv = compute_advantages(&[2.0, 0.0], &[0, 0], &[1, 3], &cfg);
+        let adv = compute_advantages(&[2.0, 0.0], &[0, 0], &[1, 3], &cfg).unwrap();
         close_within(&adv, &[1.5, -0.5], 1e-7);
     }
 
@@ -333,7 +448,7 @@ mod tests {
             gamma: 0.5,
             ..Default::default()
         };
-        let adv = compute_advantages(&[1.0], &[0], &[3], &cfg);
+        let adv = compute_advantages(&[1.0], &[0], &[3], &cfg).unwrap();
         let m = 7.0 / 12.0;
         let var = [0.25f64, 0.5, 1.0]
             .iter()
@@ -346,7 +461,7 @@ mod tests {
         }
         // γ = 1: every token carries the whole reward, as reinforce_baseline without the mean.
         let flat = AdvantageConfig { gamma: 1.0, ..cfg };
-        let adv = compute_advantages(&[1.0, 0.0], &["a", "b"], &[1, 3], &flat);
+        let adv = compute_advantages(&[1.0, 0.0], &["a", "b"], &[1, 3], &flat).unwrap();
         close_within(&adv, &[0.75 / 0.5, -0.25 / 0.5], 1e-7);
     }
 
@@ -356,9 +471,82 @@ mod tests {
             AdvantageEstimator::from_name("rloo").unwrap(),
             AdvantageEstimator::Rloo
         );
-        let e = AdvantageEstimator::from_name("gae")
+        let e = AdvantageEstimator::from_name("ppo")
             .unwrap_err()
             .to_string();
         assert!(e.contains("gae") && e.contains("grpo"), "{e}");
+    }
+
+    #[test]
+    fn gae_needs_values_and_bootstraps_from_them() {
+        let cfg = AdvantageConfig {
+            estimator: AdvantageEstimator::Gae,
+            gamma: 0.9,
+            lam: 0.5,
+            ..Default::default()
+        };
+        let e = compute_advantages(&[1.0], &[0], &[2], &cfg).unwrap_err();
+        assert!(e.to_string().contains("[critic]"), "{e}");
+        // As `returns::gae`'s hand-checked case: reward 1 at the last of 2 tokens, V = [0.5, 0.2]:
+        // returns [0.54, 1.0], advantages ±1/√2 after whitening.
+        let values = vec![vec![0.5, 0.2]];
+        let inputs = AdvantageInputs {
+            rewards: &[1.0],
+            uids: &[0],
+            token_counts: &[2],
+            token_penalties: None,
+            values: Some(&values),
+        };
+        let out = estimate_advantages(&inputs, &cfg).unwrap();
+        assert!(
+            (out.returns[0][0] - 0.54).abs() < 1e-12 && (out.returns[0][1] - 1.0).abs() < 1e-12
+        );
+        let h = 0.5f64.sqrt();
+        assert!((out.advantages[0][0] + h).abs() < 1e-7 && (out.advantages[0][1] - h).abs() < 1e-7);
+        let short = vec![vec![0.5]];
+        let e = estimate_advantages(
+            &AdvantageInputs {
+                values: Some(&short),
+                ..inputs
+            },
+            &cfg,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("[1] for responses of [2] tokens"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn per_token_penalties_enter_the_returns_and_the_group_scores_as_their_sum() {
+        // Rewards 1 and 0, penalties −0.1 on each of two tokens.
+        let penalties = vec![vec![-0.1, -0.1], vec![-0.1, -0.1]];
+        let inputs = AdvantageInputs {
+            rewards: &[1.0, 0.0],
+            uids: &[0, 0],
+            token_counts: &[2, 2],
+            token_penalties: Some(&penalties),
+            values: None,
+        };
+        // REINFORCE++ with γ = 1: returns are the reward-to-go, [0.8, 0.9] and [−0.2, −0.1].
+        let rpp = AdvantageConfig {
+            estimator: AdvantageEstimator::ReinforcePlusPlus,
+            ..Default::default()
+        };
+        let out = estimate_advantages(&inputs, &rpp).unwrap();
+        let want = [[0.8, 0.9], [-0.2, -0.1]];
+        for (got, want) in out.returns.iter().flatten().zip(want.iter().flatten()) {
+            assert!((got - want).abs() < 1e-12, "{:?}", out.returns);
+        }
+        // Dr. GRPO scores each response by its summed token rewards, 0.8 and −0.2: ±0.5.
+        let dr = AdvantageConfig {
+            estimator: AdvantageEstimator::DrGrpo,
+            norm_adv_by_std: false,
+            ..Default::default()
+        };
+        let out = estimate_advantages(&inputs, &dr).unwrap();
+        close(&out.advantages, &[0.5, -0.5]);
+        assert_eq!(out.returns, out.advantages);
     }
 }

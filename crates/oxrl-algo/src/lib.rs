@@ -16,12 +16,18 @@ pub mod advantage;
 pub mod aggregation;
 pub mod dapo;
 pub mod kl;
+pub mod kl_reward;
 pub mod policy_loss;
 pub mod returns;
 pub mod rollout_corr;
+pub mod value_loss;
 
-pub use advantage::{compute_advantages, AdvantageConfig, AdvantageEstimator};
+pub use advantage::{
+    compute_advantages, estimate_advantages, AdvantageConfig, AdvantageError, AdvantageEstimator,
+    AdvantageInputs,
+};
 pub use aggregation::{masked_token_weights, token_weights, BatchTotals, LossAgg};
 pub use kl::{kl_per_token, KlEstimator};
 pub use policy_loss::{policy_loss, PolicyLoss, PolicyLossConfig, PolicyLossOutput};
 pub use registry::{Registered, UnknownName};
+pub use returns::TokenAdvantages;

@@ -42,11 +42,21 @@ pub fn whiten(values: &mut [Vec<f64>]) {
     }
 }
 
-/// Advantages and the returns they came from.
+/// Advantages and the returns they came from (a critic's targets).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenAdvantages {
     pub advantages: Vec<Vec<f64>>,
     pub returns: Vec<Vec<f64>>,
+}
+
+impl TokenAdvantages {
+    /// An estimator without returns of its own: they are its advantages, as verl sets them.
+    pub fn same(advantages: Vec<Vec<f64>>) -> Self {
+        Self {
+            returns: advantages.clone(),
+            advantages,
+        }
+    }
 }
 
 /// REINFORCE++ (Hu, 2025): the discounted return of every token, whitened over the batch.

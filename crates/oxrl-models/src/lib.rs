@@ -29,7 +29,7 @@ pub use model_traits::{PolicyModel, SequenceClassifier};
 pub use mrope::VisionTokens;
 pub use qwen3::{
     reward_model, BatchLogprobs, CacheKind, Entropy, ImagePrompting, KvCache, LoraConfig, LoraInit,
-    Qwen3, Qwen3RewardModel, ScoreRequest, Vision, VocabSlices, LORA_TARGETS,
+    Qwen3, Qwen3RewardModel, Qwen3ValueModel, ScoreRequest, Vision, VocabSlices, LORA_TARGETS,
 };
 pub use registry::{load_policy, load_sequence_classifier};
 pub use tokenizer::{eos_token_ids, Tokenizer};

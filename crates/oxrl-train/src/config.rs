@@ -13,10 +13,12 @@ pub use crate::config_file::ConfigError;
 use crate::config_file::Given;
 pub use crate::config_keys::{explain, markdown, KeySpec, KEYS};
 use crate::config_keys::{LR_SCHEDULES, OLD_LOGPROBS};
+use crate::critic::CriticConfig;
 use crate::optim::AdamWConfig;
 use crate::reward_config::{resolve_function, FunctionTable};
 pub use crate::reward_config::{RewardFunction, RewardKind};
 use crate::update::{AlgorithmConfig, UpdateConfig};
+use oxrl_algo::kl_reward::{KlControl, KlInReward};
 use oxrl_algo::rollout_corr::{IsConfig, RejectRule, RolloutCorrectionConfig};
 use oxrl_algo::{
     AdvantageConfig, AdvantageEstimator, KlEstimator, LossAgg, PolicyLoss, PolicyLossConfig,
@@ -88,6 +90,8 @@ pub struct RunConfig {
     /// `[model.lora]`: train LoRA adapters instead of every weight (when `rank` is set).
     pub lora: Option<LoraConfig>,
     pub reference_path: Option<String>,
+    /// PPO's critic (`advantage = "gae"`); its path as given, resolved like `[model] path`.
+    pub critic: Option<CriticConfig>,
     pub data: DataConfig,
     pub rollout: RolloutConfig,
     pub reward: RewardConfig,
@@ -376,6 +380,12 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
     let estimator = entry(given, "algorithm.advantage", AdvantageEstimator::from_name)?;
     let loss_agg = entry(given, "algorithm.loss_agg", LossAgg::from_name)?;
     let rollout_correction = rollout_correction(given)?;
+    let kl_estimator = match given.is_set("algorithm.kl_estimator") {
+        true => entry(given, "algorithm.kl_estimator", KlEstimator::from_name)?,
+        // verl's defaults: k1 in the reward (`kl_penalty = "kl"`), k3 as a loss term.
+        false if given.value::<bool>("algorithm.use_kl_in_reward") => KlEstimator::K1,
+        false => KlEstimator::K3,
+    };
     let algorithm = AlgorithmConfig {
         advantage: AdvantageConfig {
             estimator,
@@ -384,6 +394,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
                 .unwrap_or(estimator.norm_adv_by_std_default()),
             eps: given.value("algorithm.adv_eps"),
             gamma: given.value("algorithm.gamma"),
+            lam: given.value("algorithm.lam"),
         },
         policy_loss: PolicyLossConfig {
             kind: entry(given, "algorithm.policy_loss", PolicyLoss::from_name)?,
@@ -394,7 +405,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
             tau_neg: given.value("algorithm.tau_neg"),
         },
         kl_coef: given.value("algorithm.kl_coef"),
-        kl_estimator: entry(given, "algorithm.kl_estimator", KlEstimator::from_name)?,
+        kl_estimator,
         loss_agg,
         kl_loss_agg: match given.is_set("algorithm.kl_loss_agg") {
             true => entry(given, "algorithm.kl_loss_agg", LossAgg::from_name)?,
@@ -407,6 +418,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         entropy_coef: given.value("algorithm.entropy_coef"),
         overlong_filter: given.value("algorithm.overlong_filter"),
         rollout_correction,
+        kl_in_reward: kl_in_reward(given, kl_estimator)?,
     };
     let dynamic_sampling = DynamicSampling {
         overlong_buffer_len: given.value("algorithm.overlong_buffer_len"),
@@ -452,6 +464,10 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         warmup_steps: given.value("trainer.warmup_steps"),
         total_steps: max_steps * optimizer_steps_per_step * ppo_epochs as u64,
     };
+    let critic = critic(given, estimator, &update, &model_path)?.map(|c| CriticConfig {
+        path: local_or_hub(c.path.clone()),
+        ..c
+    });
     let device = given
         .value::<String>("model.device")
         .parse::<DeviceSpec>()
@@ -467,6 +483,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         zero_stage,
         lora: lora(given)?,
         reference_path: given.get("reference.path").map(local_or_hub),
+        critic,
         data,
         rollout,
         reward,
@@ -483,6 +500,105 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         prometheus_port: given.get("logging.prometheus_port"),
         prometheus_host: given.value("logging.prometheus_host"),
     })
+}
+
+/// `[algorithm] use_kl_in_reward` and its controller, or `None` (a KL loss term, if any).
+fn kl_in_reward(given: &Given, estimator: KlEstimator) -> Result<Option<KlInReward>, ConfigError> {
+    if !given.value::<bool>("algorithm.use_kl_in_reward") {
+        for key in ["kl_ctrl", "kl_target", "kl_horizon"] {
+            let dotted = format!("algorithm.{key}");
+            if given.is_set(&dotted) {
+                return Err(given.bad(&dotted, "has no effect without use_kl_in_reward = true"));
+            }
+        }
+        return Ok(None);
+    }
+    let coef: f64 = given.value("algorithm.kl_coef");
+    if coef <= 0.0 {
+        return Err(given.bad(
+            "algorithm.use_kl_in_reward",
+            "needs kl_coef > 0 (the penalty's starting beta, and what loads the reference model)",
+        ));
+    }
+    let adaptive = choice(
+        given,
+        "algorithm.kl_ctrl",
+        &[("fixed", "", false), ("adaptive", "", true)],
+    )?;
+    let control = match adaptive {
+        false => {
+            for key in ["kl_target", "kl_horizon"] {
+                let dotted = format!("algorithm.{key}");
+                if given.is_set(&dotted) {
+                    return Err(given.bad(&dotted, "has no effect unless kl_ctrl = \"adaptive\""));
+                }
+            }
+            KlControl::Fixed
+        }
+        true => KlControl::Adaptive {
+            target: given.value("algorithm.kl_target"),
+            horizon: given.value::<u64>("algorithm.kl_horizon") as f64,
+        },
+    };
+    Ok(Some(KlInReward {
+        coef,
+        control,
+        estimator,
+    }))
+}
+
+/// `[critic]`: PPO's value model, there exactly when the estimator bootstraps from values
+/// (`gae`). Unset keys follow the policy's (`[trainer]`) settings.
+fn critic(
+    given: &Given,
+    estimator: AdvantageEstimator,
+    update: &UpdateConfig,
+    model_path: &str,
+) -> Result<Option<CriticConfig>, ConfigError> {
+    const KEYS: [&str; 9] = [
+        "path",
+        "lr",
+        "value_clip",
+        "ppo_epochs",
+        "mini_batch_size",
+        "micro_batch_size",
+        "max_grad_norm",
+        "loss_agg",
+        "warmup_steps",
+    ];
+    if !estimator.needs_values() {
+        if let Some(key) = KEYS.iter().find(|k| given.is_set(&format!("critic.{k}"))) {
+            return Err(given.bad(
+                &format!("critic.{key}"),
+                format!(
+                    "has no effect: advantage = \"{}\" has no critic (set advantage = \"gae\" for PPO with a critic)",
+                    oxrl_algo::Registered::name(estimator)
+                ),
+            ));
+        }
+        return Ok(None);
+    }
+    let clip: f64 = given.value("critic.value_clip");
+    Ok(Some(CriticConfig {
+        path: given
+            .get::<String>("critic.path")
+            .unwrap_or_else(|| model_path.to_string()),
+        optimizer: AdamWConfig {
+            lr: given.value("critic.lr"),
+            ..update.optimizer
+        },
+        value_clip: (clip > 0.0).then_some(clip),
+        ppo_epochs: given.get("critic.ppo_epochs").unwrap_or(update.ppo_epochs),
+        mini_batch_size: given
+            .get("critic.mini_batch_size")
+            .or(update.mini_batch_size),
+        micro_batch_size: given
+            .get("critic.micro_batch_size")
+            .unwrap_or(update.micro_batch_size),
+        max_grad_norm: given.value("critic.max_grad_norm"),
+        loss_agg: entry(given, "critic.loss_agg", LossAgg::from_name)?,
+        warmup_steps: given.value("critic.warmup_steps"),
+    }))
 }
 
 /// `[algorithm] rollout_is*` and `rollout_rs*`: rollout correction, or `None` when neither is set.
@@ -567,6 +683,68 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(none.contains("max_staleness"), "{none}");
+    }
+
+    #[test]
+    fn gae_brings_a_critic_whose_unset_keys_follow_the_trainer() {
+        let c = parse(
+            "algorithm = \"PPO\"\n[model]\npath = \"m\"\n[trainer]\nppo_epochs = 2\nmicro_batch_size = 3\n[critic]\nlr = 2e-5\nvalue_clip = 0\n",
+        )
+        .unwrap();
+        let critic = c.critic.unwrap();
+        assert_eq!(critic.path, "m");
+        assert_eq!(critic.optimizer.lr, 2e-5);
+        assert_eq!(
+            critic.optimizer.weight_decay,
+            c.update.optimizer.weight_decay
+        );
+        assert_eq!((critic.ppo_epochs, critic.micro_batch_size), (2, 3));
+        assert_eq!(critic.value_clip, None, "0 turns the clip off");
+        assert_eq!(c.algorithm.advantage.estimator, AdvantageEstimator::Gae);
+        let plain = parse("[model]\npath = \"m\"\n[algorithm]\nadvantage = \"gae\"\n").unwrap();
+        assert_eq!(plain.critic.unwrap().value_clip, Some(0.5));
+        let e = parse("[model]\npath = \"m\"\n[critic]\nlr = 1e-5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("dir/run.toml:4:") && e.contains("critic.lr") && e.contains("\"gae\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn kl_in_reward_needs_a_beta_and_its_controller_keys_need_it() {
+        let c = parse(
+            "[model]\npath = \"m\"\n[algorithm]\nkl_coef = 0.05\nuse_kl_in_reward = true\nkl_ctrl = \"adaptive\"\nkl_target = 0.2\n",
+        )
+        .unwrap();
+        let k = c.algorithm.kl_in_reward.unwrap();
+        assert_eq!(k.coef, 0.05);
+        assert_eq!(
+            k.control,
+            KlControl::Adaptive {
+                target: 0.2,
+                horizon: 10000.0
+            }
+        );
+        assert_eq!(k.estimator, KlEstimator::K1, "verl's in-reward default");
+        assert_eq!(c.algorithm.kl_estimator, KlEstimator::K1);
+        let plain = parse("[model]\npath = \"m\"\n").unwrap();
+        assert_eq!(plain.algorithm.kl_estimator, KlEstimator::K3);
+        assert!(plain.algorithm.kl_in_reward.is_none());
+        for (text, want) in [
+            ("use_kl_in_reward = true\n", "needs kl_coef > 0"),
+            ("kl_ctrl = \"adaptive\"\n", "without use_kl_in_reward"),
+            (
+                "kl_coef = 0.1\nuse_kl_in_reward = true\nkl_target = 0.2\n",
+                "unless kl_ctrl = \"adaptive\"",
+            ),
+        ] {
+            let e = parse(&format!("[model]\npath = \"m\"\n[algorithm]\n{text}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{text}: {e}");
+        }
     }
 
     #[test]
@@ -710,7 +888,7 @@ mod tests {
     fn bad_values_name_the_key_and_what_was_expected() {
         let cases = [
             ("[trainer]\nlr = \"fast\"\n", "dir/run.toml:3:"),
-            ("[algorithm]\nadvantage = \"gae\"\n", "algorithm.advantage"),
+            ("[algorithm]\nadvantage = \"ppo\"\n", "algorithm.advantage"),
             ("[algorithm]\nloss_agg = \"mean\"\n", "token_mean"),
             ("[rollout]\ntemperature = 0\n", "rollout.temperature"),
             ("[trainer]\nlr_schedule = \"step\"\n", "cosine"),

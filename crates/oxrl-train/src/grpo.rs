@@ -5,6 +5,7 @@
 
 use crate::config::RewardKind;
 use crate::config::RunConfig;
+use crate::critic::{Critic, CRITIC_DIR};
 use crate::data::{load_prompts, DataCursor, DataOrder, PromptRow};
 use crate::interrupt::Interrupt;
 use crate::note;
@@ -19,7 +20,8 @@ use crate::update::{
 use candle_core::{DType, Device};
 use oxrl_algo::advantage::frac_zero_std_groups;
 use oxrl_algo::dapo::{informative_groups, soft_overlong_penalty};
-use oxrl_algo::{compute_advantages, AdvantageConfig};
+use oxrl_algo::value_loss::explained_variance;
+use oxrl_algo::{estimate_advantages, AdvantageConfig, AdvantageInputs, TokenAdvantages};
 use oxrl_models::{eos_token_ids, hub::resolve_model, load_policy, ImagePrompting, Tokenizer};
 use oxrl_reward::{
     build_rule, CodeReward, HttpReward, RewardFn, RewardInput, RewardModel, RewardOutcome,
@@ -46,6 +48,9 @@ fn dtype(name: &str) -> DType {
 /// reference model when `kl_coef > 0` (default: the policy's initial weights), AdamW with f32
 /// master weights read from `policy_dir` (a bf16 policy computes with their rounding) — unless
 /// `resuming`, when the saved optimizer state brings them.
+///
+/// With `advantage = "gae"` the trainer carries PPO's critic: from `[critic] path` (the policy's
+/// checkpoint by default, with a fresh value head), or the checkpoint's `critic/` on a resume.
 ///
 /// With `[model.lora]` the policy is the base model (`[model] path`) with adapters: fresh ones
 /// drawn from the run's seed, or on a resume the checkpoint's (`policy_dir` then holds only
@@ -83,6 +88,14 @@ pub fn build_trainer(
     let mut trainer =
         PolicyTrainer::new(policy, reference, cfg.algorithm.clone(), cfg.update.clone())?;
     trainer.max_staleness = cfg.max_staleness;
+    if let Some(critic) = &cfg.critic {
+        // A resumed run's critic is the checkpoint's (its optimizer follows in `load_optimizer`).
+        let dir = match resuming {
+            true => policy_dir.join(CRITIC_DIR),
+            false => resolve_model(&critic.path)?,
+        };
+        trainer.critic = Some(Critic::load(critic.clone(), &dir, dt, device, cfg.seed)?);
+    }
     // A LoRA run's trainable tensors are its adapters, which no checkpoint holds yet: their
     // masters are their own starting values.
     if !resuming && cfg.lora.is_none() {
@@ -313,7 +326,7 @@ impl GrpoRun {
             None => (model_dir.clone(), None),
         };
         let mut trainer = build_trainer(&cfg, &policy_dir, &device, trainer_state.is_some())?;
-        trainer.parallel = parallel;
+        trainer.join(parallel);
         if cfg.zero_stage == 2 {
             trainer.shard_optimizer()?;
         }
@@ -491,6 +504,8 @@ impl GrpoRun {
             data: self.order.cursor,
             seed: self.cfg.seed,
             optimizer_shards: None,
+            critic_optimizer_step: None,
+            kl_reward_coef: None,
         };
         state::save(
             &self.cfg.output_dir,
@@ -849,13 +864,32 @@ fn engine_prompts(asked: &[&PromptRow]) -> (Vec<Vec<u32>>, Vec<Vec<PromptImage>>
         .unzip()
 }
 
-/// Advantages of every response token from the rewards, grouped by uid
-/// (`docs/rl-algorithms.md`, advantage estimators).
-pub fn advantages(trajs: &[Trajectory], cfg: &AdvantageConfig) -> Vec<Vec<f64>> {
+/// Advantages of every response token from the outcome rewards, grouped by uid
+/// (`docs/rl-algorithms.md`, advantage estimators): the estimators that need no critic values
+/// and no per-token reward terms.
+pub fn advantages(trajs: &[Trajectory], cfg: &AdvantageConfig) -> Result<Vec<Vec<f64>>> {
+    Ok(estimate(trajs, cfg, None, None)?.advantages)
+}
+
+/// The estimator on `trajs`, with the per-token reward terms and the critic's values when the
+/// run has them.
+fn estimate(
+    trajs: &[Trajectory],
+    cfg: &AdvantageConfig,
+    token_penalties: Option<&[Vec<f64>]>,
+    values: Option<&[Vec<f64>]>,
+) -> Result<TokenAdvantages> {
     let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
     let uids: Vec<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
     let lens: Vec<usize> = trajs.iter().map(|t| t.response_ids.len()).collect();
-    compute_advantages(&rewards, &uids, &lens, cfg)
+    let inputs = AdvantageInputs {
+        rewards: &rewards,
+        uids: &uids,
+        token_counts: &lens,
+        token_penalties,
+        values,
+    };
+    estimate_advantages(&inputs, cfg).map_err(|e| TrainError::Invalid(e.to_string()))
 }
 
 /// What learning from one batch computed, phase by phase.
@@ -869,40 +903,74 @@ pub struct Learned {
     pub report: UpdateReport,
 }
 
-/// Learning from one batch of rewarded trajectories: advantages → `logp_old` → reference
-/// log-probs → the policy update, each a timed phase. The sampling loop and `--rollouts` share
-/// it; it refuses trajectories from weights the trainer no longer has.
+/// Rows `keep` says of `rows`.
+fn kept<T: Clone>(rows: &[T], keep: &[bool]) -> Vec<T> {
+    rows.iter()
+        .zip(keep)
+        .filter(|(_, &k)| k)
+        .map(|(r, _)| r.clone())
+        .collect()
+}
+
+/// Learning from one batch of rewarded trajectories, each a timed phase: the critic's values
+/// (PPO) → the reward's KL penalty (which needs `logp_old` and the reference first) →
+/// advantages → `logp_old` → reference log-probs → the policy update → the critic update.
+/// The sampling loop and `--rollouts` share it; it refuses trajectories from weights the
+/// trainer no longer has.
 pub fn learn(
     trainer: &mut PolicyTrainer,
     trajs: &[Trajectory],
     time: &mut PhaseTimes,
 ) -> Result<Learned> {
     trainer.check_weight_versions(trajs)?;
-    let mut advantages = time.time("advantage", || {
-        advantages(trajs, &trainer.algorithm.advantage)
-    });
+    let mut metrics = BTreeMap::new();
+    // The KL penalty in the reward is part of the advantages' input: the log-probs come first.
+    let early = match trainer.algorithm.kl_in_reward.is_some() {
+        true => Some(policy_logprobs(trainer, trajs, time)?),
+        false => None,
+    };
+    let values = match &trainer.critic {
+        Some(c) => Some(time.time("values", || c.values(trajs))?),
+        None => None,
+    };
+    let penalty = match (&mut trainer.algorithm.kl_in_reward, &early) {
+        (Some(k), Some((old, Some(reference)))) => Some(k.apply(&old.logprobs, reference)?),
+        (Some(_), _) => {
+            return Err(TrainError::Invalid(
+                "use_kl_in_reward needs a reference model (kl_coef > 0)".into(),
+            ))
+        }
+        _ => None,
+    };
+    if let Some(p) = &penalty {
+        metrics.insert("reward_kl_penalty".to_string(), p.kl);
+        metrics.insert("reward_kl_penalty_coeff".to_string(), p.coef);
+    }
+    let estimated = time.time("advantage", || {
+        estimate(
+            trajs,
+            &trainer.algorithm.advantage,
+            penalty.as_ref().map(|p| &p.penalties[..]),
+            values.as_deref(),
+        )
+    })?;
     // DAPO overlong filtering: the truncated responses counted in their groups' advantages
     // but leave the update.
-    let filtered: Vec<Trajectory>;
-    let trained = match trainer.algorithm.overlong_filter {
-        false => trajs,
-        true => {
-            let keep: Vec<bool> = trajs.iter().map(|t| !truncated(t)).collect();
-            filtered = trajs
-                .iter()
-                .zip(&keep)
-                .filter(|(_, &k)| k)
-                .map(|(t, _)| t.clone())
-                .collect();
-            let mut k = keep.iter();
-            advantages.retain(|_| *k.next().unwrap_or(&false));
-            &filtered[..]
-        }
-    };
+    let keep: Vec<bool> = trajs
+        .iter()
+        .map(|t| !(trainer.algorithm.overlong_filter && truncated(t)))
+        .collect();
+    let trained = kept(trajs, &keep);
+    let advantages = kept(&estimated.advantages, &keep);
     let dropped = (trajs.len() - trained.len()) as f64 / trajs.len().max(1) as f64;
+    if trainer.algorithm.overlong_filter {
+        metrics.insert("overlong_filtered".into(), dropped);
+    }
     if trained.is_empty() {
-        let mut report = UpdateReport::default();
-        report.metrics.insert("overlong_filtered".into(), dropped);
+        let report = UpdateReport {
+            metrics,
+            ..Default::default()
+        };
         return Ok(Learned {
             advantages,
             old: OldPolicy::default(),
@@ -910,28 +978,64 @@ pub fn learn(
             report,
         });
     }
-    let (old, reference) = match trainer.parallel.is_single() {
-        true => (
-            time.time("old_logprobs", || trainer.old_logprobs(trained))?,
-            time.time("ref", || trainer.ref_logprobs(trained))?,
+    let (mut old, reference) = match early {
+        Some((old, reference)) => (
+            OldPolicy {
+                logprobs: kept(&old.logprobs, &keep),
+                entropy: old.entropy.map(|e| kept(&e, &keep)),
+                ..old
+            },
+            reference.map(|r| kept(&r, &keep)),
         ),
-        false => shared_logprobs(trainer, trained, time)?,
+        None => policy_logprobs(trainer, &trained, time)?,
     };
-    let mut old = old;
     if let Some(cfg) = &trainer.algorithm.rollout_correction {
         old.correction = Some(correct_rollouts(
             cfg,
-            trained,
+            &trained,
             &old,
             trainer.algorithm.old_logprobs,
         )?);
     }
-    let mut report = time.time("update", || {
-        trainer.update(trained, &advantages, &old, reference.as_deref())
-    })?;
-    if trainer.algorithm.overlong_filter {
-        report.metrics.insert("overlong_filtered".into(), dropped);
+    // With the KL in the reward there is no KL loss term.
+    let loss_reference = match penalty {
+        Some(_) => None,
+        None => reference.as_deref(),
+    };
+    let warming_up = trainer
+        .critic
+        .as_ref()
+        .is_some_and(|c| trainer.weight_version.0 < c.config.warmup_steps);
+    let mut report = match warming_up {
+        // The critic's warmup: the policy keeps its weights, the step still counts.
+        true => {
+            trainer.weight_version = WeightVersion(trainer.weight_version.0 + 1);
+            UpdateReport::default()
+        }
+        false => time.time("update", || {
+            trainer.update(&trained, &advantages, &old, loss_reference)
+        })?,
+    };
+    if let (Some(critic), Some(values)) = (&mut trainer.critic, &values) {
+        let values = kept(values, &keep);
+        let returns = kept(&estimated.returns, &keep);
+        let critic_metrics = time.time("critic_update", || {
+            critic.update(&trained, &values, &returns)
+        })?;
+        report.metrics.extend(critic_metrics);
+        if let Some(ev) = explained_variance(&returns, &values) {
+            report.metrics.insert("critic/vf_explained_var".into(), ev);
+        }
+        let n: usize = returns.iter().map(Vec::len).sum();
+        let mean = |rows: &[Vec<f64>]| rows.iter().flatten().sum::<f64>() / n.max(1) as f64;
+        report
+            .metrics
+            .insert("critic/returns_mean".into(), mean(&returns));
+        report
+            .metrics
+            .insert("critic/values_mean".into(), mean(&values));
     }
+    report.metrics.extend(metrics);
     if let Some(c) = &old.correction {
         report.metrics.extend(c.metrics.clone());
     }
@@ -941,6 +1045,22 @@ pub fn learn(
         reference,
         report,
     })
+}
+
+/// `logp_old` and the reference log-probs of `trajs`: computed here in a single process, shared
+/// out by the ranks of a data-parallel group.
+fn policy_logprobs(
+    trainer: &PolicyTrainer,
+    trajs: &[Trajectory],
+    time: &mut PhaseTimes,
+) -> Result<(OldPolicy, Option<Vec<Vec<f32>>>)> {
+    match trainer.parallel.is_single() {
+        true => Ok((
+            time.time("old_logprobs", || trainer.old_logprobs(trajs))?,
+            time.time("ref", || trainer.ref_logprobs(trajs))?,
+        )),
+        false => shared_logprobs(trainer, trajs, time),
+    }
 }
 
 /// Rollout correction of `trained` from the trainer's recomputed `logp_old` and the engine's
@@ -1129,7 +1249,7 @@ pub fn replay_parallel(
         false => None,
     };
     let mut trainer = build_trainer(cfg, &model_dir, &open_device(cfg)?, false)?;
-    trainer.parallel = parallel;
+    trainer.join(parallel);
     if cfg.zero_stage == 2 {
         trainer.shard_optimizer()?;
     }
@@ -1153,6 +1273,8 @@ pub fn replay_parallel(
         },
         seed: cfg.seed,
         optimizer_shards: None,
+        critic_optimizer_step: None,
+        kl_reward_coef: None,
     };
     state::save(&cfg.output_dir, &trainer, &s, Some(&model_dir))?;
     Ok(m)

@@ -5,6 +5,7 @@
 pub mod config;
 mod config_file;
 pub mod config_keys;
+pub mod critic;
 pub mod data;
 pub mod error;
 pub mod grpo;

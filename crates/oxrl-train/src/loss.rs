@@ -126,6 +126,7 @@ mod tests {
             entropy_coef,
             overlong_filter: false,
             rollout_correction: None,
+            kl_in_reward: None,
         }
     }
 

@@ -209,6 +209,8 @@ pub fn run(cfg: &RunConfig, resume: bool, interrupt: &Interrupt) -> Result<SftSu
             data: cursor,
             seed: cfg.seed,
             optimizer_shards: None,
+            critic_optimizer_step: None,
+            kl_reward_coef: None,
         };
         state::save(&cfg.output_dir, trainer, &s, Some(&model_dir))
     };

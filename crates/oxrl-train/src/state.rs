@@ -30,6 +30,64 @@ pub struct TrainerState {
     /// (`optimizer-rank-R-of-W.safetensors`); absent when it holds the whole state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_shards: Option<usize>,
+    /// PPO: the critic's optimizer steps (its model and optimizer are in `critic/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic_optimizer_step: Option<u64>,
+    /// The KL-in-reward coefficient β reached (an adaptive controller moves it each step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_reward_coef: Option<f64>,
+}
+
+/// Writes `dir/optimizer.safetensors`: each parameter's f32 master weights and AdamW moments as
+/// `<name>.master`, `<name>.exp_avg`, `<name>.exp_avg_sq`.
+pub fn write_optimizer_state(
+    vars: &[(String, candle_core::Var)],
+    params: &[ParamState],
+    dir: &Path,
+) -> Result<()> {
+    let mut tensors = HashMap::new();
+    for ((name, _), p) in vars.iter().zip(params) {
+        for (suffix, data) in [
+            ("master", &p.master),
+            ("exp_avg", &p.exp_avg),
+            ("exp_avg_sq", &p.exp_avg_sq),
+        ] {
+            let t = Tensor::from_slice(data, data.len(), &HOST)?;
+            tensors.insert(format!("{name}.{suffix}"), t);
+        }
+    }
+    save_safetensors_synced(&tensors, &dir.join(OPTIMIZER_STATE))?;
+    Ok(())
+}
+
+/// Reads what [`write_optimizer_state`] wrote for `vars`, in their order; a missing tensor is
+/// an error naming the file and the key.
+pub fn read_optimizer_state(
+    vars: &[(String, candle_core::Var)],
+    dir: &Path,
+) -> Result<Vec<ParamState>> {
+    let path = dir.join(OPTIMIZER_STATE);
+    let mut tensors =
+        candle_core::safetensors::load(&path, &HOST).map_err(|source| ModelError::Safetensors {
+            path: path.clone(),
+            source,
+        })?;
+    let mut params = Vec::new();
+    for (name, _) in vars {
+        let mut take = |suffix: &str| -> Result<Vec<f32>> {
+            let key = format!("{name}.{suffix}");
+            let t = tensors.remove(&key).ok_or_else(|| {
+                TrainError::Invalid(format!("{}: missing `{key}`", path.display()))
+            })?;
+            Ok(t.to_vec1::<f32>()?)
+        };
+        params.push(ParamState {
+            master: take("master")?,
+            exp_avg: take("exp_avg")?,
+            exp_avg_sq: take("exp_avg_sq")?,
+        });
+    }
+    Ok(params)
 }
 
 /// The file rank `rank` of `world` writes its part of the optimizer state to.
@@ -85,6 +143,20 @@ pub fn save(
 ) -> Result<PathBuf> {
     let dir = out_dir.join(format!("checkpoint-{}", state.step));
     let optimizer = trainer.optimizer.state()?;
+    let state = &TrainerState {
+        critic_optimizer_step: trainer.critic.as_ref().map(|c| c.optimizer_steps()),
+        kl_reward_coef: trainer.algorithm.kl_in_reward.as_ref().map(|k| k.coef),
+        ..state.clone()
+    };
+    let critic = |tmp: &Path| -> oxrl_models::Result<()> {
+        let Some(c) = &trainer.critic else {
+            return Ok(());
+        };
+        c.save_into(tmp).map_err(|e| ModelError::Io {
+            path: tmp.join(crate::critic::CRITIC_DIR),
+            source: std::io::Error::other(e.to_string()),
+        })
+    };
     let sharded = |tmp: &Path| -> Result<()> {
         // Every other rank writes its part into the directory being written, then all meet.
         trainer
@@ -95,6 +167,7 @@ pub fn save(
         Ok(())
     };
     let extra = |tmp: &Path| -> oxrl_models::Result<()> {
+        critic(tmp)?;
         if trainer.zero.is_some() {
             sharded(tmp).map_err(|e| ModelError::Io {
                 path: tmp.to_path_buf(),
@@ -107,18 +180,10 @@ pub fn save(
             let json = serde_json::to_string_pretty(&state).unwrap_or_default();
             return write_synced(&tmp.join(TRAINER_STATE), json.as_bytes());
         }
-        let mut tensors = HashMap::new();
-        for ((name, _), p) in trainer.vars().iter().zip(&optimizer) {
-            for (suffix, data) in [
-                ("master", &p.master),
-                ("exp_avg", &p.exp_avg),
-                ("exp_avg_sq", &p.exp_avg_sq),
-            ] {
-                let t = Tensor::from_slice(data, data.len(), &HOST)?;
-                tensors.insert(format!("{name}.{suffix}"), t);
-            }
-        }
-        save_safetensors_synced(&tensors, &tmp.join(OPTIMIZER_STATE))?;
+        write_optimizer_state(trainer.vars(), &optimizer, tmp).map_err(|e| ModelError::Io {
+            path: tmp.join(OPTIMIZER_STATE),
+            source: std::io::Error::other(e.to_string()),
+        })?;
         let json = serde_json::to_string_pretty(state).unwrap_or_default();
         write_synced(&tmp.join(TRAINER_STATE), json.as_bytes())
     };
@@ -167,8 +232,22 @@ pub fn load_state(dir: &Path) -> Result<TrainerState> {
 
 /// Restores the optimizer's master weights and moments from a checkpoint: the whole state (a
 /// ZeRO-2 group takes its parts of it, at any world size), or this rank's part of a ZeRO-2
-/// checkpoint written by as many ranks.
+/// checkpoint written by as many ranks. Also the critic's optimizer and the KL-in-reward β
+/// the run had reached.
 pub fn load_optimizer(dir: &Path, trainer: &mut PolicyTrainer, state: &TrainerState) -> Result<()> {
+    if let Some(critic) = &mut trainer.critic {
+        let step = state.critic_optimizer_step.ok_or_else(|| {
+            TrainError::Invalid(format!(
+                "{}: holds no critic (the run started without advantage = \"gae\"); resume it \
+                 with the configuration it started with",
+                dir.display()
+            ))
+        })?;
+        critic.restore_optimizer(dir, step)?;
+    }
+    if let (Some(k), Some(coef)) = (&mut trainer.algorithm.kl_in_reward, state.kl_reward_coef) {
+        k.coef = coef;
+    }
     let optimizer_step = state.optimizer_step;
     if let Some(shards) = state.optimizer_shards {
         let (rank, world) = match &trainer.zero {
@@ -208,27 +287,7 @@ pub fn load_optimizer(dir: &Path, trainer: &mut PolicyTrainer, state: &TrainerSt
         };
         return trainer.restore_optimizer_shard(part, optimizer_step);
     }
-    let path = dir.join(OPTIMIZER_STATE);
-    let mut tensors =
-        candle_core::safetensors::load(&path, &HOST).map_err(|source| ModelError::Safetensors {
-            path: path.clone(),
-            source,
-        })?;
-    let mut params = Vec::new();
-    for (name, _) in trainer.vars() {
-        let mut take = |suffix: &str| -> Result<Vec<f32>> {
-            let key = format!("{name}.{suffix}");
-            let t = tensors.remove(&key).ok_or_else(|| {
-                TrainError::Invalid(format!("{}: missing `{key}`", path.display()))
-            })?;
-            Ok(t.to_vec1::<f32>()?)
-        };
-        params.push(ParamState {
-            master: take("master")?,
-            exp_avg: take("exp_avg")?,
-            exp_avg_sq: take("exp_avg_sq")?,
-        });
-    }
+    let params = read_optimizer_state(trainer.vars(), dir)?;
     trainer.restore_optimizer(AdamW {
         config: trainer.update.optimizer,
         step: optimizer_step,

@@ -8,6 +8,7 @@
 //! Every per-token loss is aggregated with weights built from the whole mini-batch's totals
 //! ([`oxrl_algo::token_weights`]), so the accumulated gradient equals the unsplit batch's.
 
+use crate::critic::Critic;
 use crate::loss::{micro_batch_loss, LossMetrics, MicroBatch};
 use crate::optim::{
     adamw_on, clip_grad_norm, squared_norms, AdamW, AdamWConfig, LrSchedule, Optimizer, ParamState,
@@ -17,6 +18,7 @@ use crate::trajectory::Trajectory;
 use crate::zero::{ZeroLayout, ZeroOptimizer};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use oxrl_algo::kl_reward::KlInReward;
 use oxrl_algo::rollout_corr::{Correction, RolloutCorrectionConfig};
 use oxrl_algo::{AdvantageConfig, BatchTotals, KlEstimator, LossAgg, PolicyLossConfig};
 use oxrl_dist::chunk;
@@ -53,6 +55,9 @@ pub struct AlgorithmConfig {
     /// Importance weights and rejection for the engine-vs-trainer mismatch
     /// (`oxrl_algo::rollout_corr`); `None`: off.
     pub rollout_correction: Option<RolloutCorrectionConfig>,
+    /// The KL penalty in the reward instead of the loss (its β moves during a run under
+    /// adaptive control); `None`: a KL loss term when `kl_coef > 0`.
+    pub kl_in_reward: Option<KlInReward>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -117,6 +122,8 @@ pub struct PolicyTrainer {
     /// ZeRO-2: this rank's part of the optimizer state, when the group shards it (then
     /// `optimizer` holds nothing).
     pub zero: Option<ZeroOptimizer>,
+    /// PPO's value model (`advantage = "gae"`), trained beside the policy.
+    pub critic: Option<Critic>,
 }
 
 /// What one optimizer step did.
@@ -248,7 +255,7 @@ pub fn rollout_logprob_diff(trajs: &[Trajectory], recomputed: &[Vec<f32>]) -> Op
         .then(|| pairs.iter().map(|(a, b)| (a - b).abs() as f64).sum::<f64>() / pairs.len() as f64)
 }
 
-fn requests(trajs: &[&Trajectory], temperature: f64) -> Vec<ScoreRequest> {
+pub(crate) fn requests(trajs: &[&Trajectory], temperature: f64) -> Vec<ScoreRequest> {
     trajs
         .iter()
         .map(|t| ScoreRequest {
@@ -301,6 +308,7 @@ impl PolicyTrainer {
             max_staleness: 0,
             parallel: DataParallel::default(),
             zero: None,
+            critic: None,
         };
         trainer.restore_optimizer(AdamW::new(trainer.update.optimizer, initial))?;
         Ok(trainer)
@@ -428,6 +436,14 @@ impl PolicyTrainer {
         self.zero = Some(ZeroOptimizer::new(layout, &state, self.policy.device())?);
         self.optimizer = Box::new(AdamW::new(self.update.optimizer, Vec::new()));
         Ok(())
+    }
+
+    /// Makes this trainer (and its critic) one rank of `parallel`.
+    pub fn join(&mut self, parallel: DataParallel) {
+        if let Some(critic) = &mut self.critic {
+            critic.parallel = parallel.clone();
+        }
+        self.parallel = parallel;
     }
 
     /// Trajectories per optimizer step in an update of `n`.

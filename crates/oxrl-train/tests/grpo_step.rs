@@ -31,6 +31,7 @@ fn algorithm() -> AlgorithmConfig {
         entropy_coef: 0.0,
         overlong_filter: false,
         rollout_correction: None,
+        kl_in_reward: None,
     }
 }
 
@@ -481,4 +482,209 @@ fn rollout_correction_weights_and_masks_reach_the_loss() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("old_logprobs = \"recompute\""), "{e}");
+}
+
+/// PPO's critic on the fixture's policy checkpoint (a fresh value head from `seed`).
+fn critic(micro_batch_size: usize, lr: f64) -> oxrl_train::critic::Critic {
+    let dir = fixture("grpo-step").join("policy");
+    let config = oxrl_train::critic::CriticConfig {
+        path: dir.display().to_string(),
+        optimizer: AdamWConfig {
+            lr,
+            ..update(1).optimizer
+        },
+        value_clip: Some(0.5),
+        ppo_epochs: 1,
+        mini_batch_size: None,
+        micro_batch_size,
+        max_grad_norm: 1.0,
+        loss_agg: LossAgg::TokenMean,
+        warmup_steps: 0,
+    };
+    oxrl_train::critic::Critic::load(config, &dir, DType::F32, &Device::Cpu, 7).unwrap()
+}
+
+/// ½·mean over tokens of (V − R)².
+fn half_mse(values: &[Vec<f64>], returns: &[Vec<f64>]) -> f64 {
+    let pairs: Vec<(f64, f64)> = values
+        .iter()
+        .flatten()
+        .copied()
+        .zip(returns.iter().flatten().copied())
+        .collect();
+    pairs
+        .iter()
+        .map(|(v, r)| 0.5 * (v - r).powi(2))
+        .sum::<f64>()
+        / pairs.len() as f64
+}
+
+/// A PPO step: GAE bootstraps from the critic's values as they were before the step, the
+/// critic's first forward sees exactly those values (so nothing is clipped), its loss is the
+/// half squared error to the returns, and the critic's own updates then bring it down.
+#[test]
+fn ppo_step_bootstraps_gae_from_the_critic_and_fits_the_returns() {
+    let mut trainer = trainer(DType::F32, 4);
+    trainer.algorithm.advantage = AdvantageConfig {
+        estimator: oxrl_algo::AdvantageEstimator::Gae,
+        gamma: 1.0,
+        lam: 0.95,
+        ..Default::default()
+    };
+    trainer.critic = Some(critic(3, 1e-3));
+    let trajs = read_trajectories(&fixture("grpo-step/rollouts.jsonl")).unwrap();
+    let before = trainer.critic.as_ref().unwrap().values(&trajs).unwrap();
+    let learned = learn(&mut trainer, &trajs, &mut PhaseTimes::default()).unwrap();
+    let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
+    let lens: Vec<usize> = trajs.iter().map(|t| t.response_ids.len()).collect();
+    let want = oxrl_algo::returns::gae(
+        &oxrl_algo::returns::outcome_token_rewards(&rewards, &lens),
+        &before,
+        1.0,
+        0.95,
+    );
+    assert_eq!(learned.advantages, want.advantages);
+    let m = &learned.report.metrics;
+    let tokens: usize = lens.iter().sum();
+    let mean_v = before.iter().flatten().sum::<f64>() / tokens as f64;
+    rel_close(
+        m["critic/vpred_mean"],
+        mean_v,
+        1e-5,
+        1e-6,
+        "critic/vpred_mean",
+    );
+    rel_close(
+        m["critic/vf_loss"],
+        half_mse(&before, &want.returns),
+        1e-5,
+        1e-7,
+        "critic/vf_loss",
+    );
+    assert_eq!(m["critic/vf_clipfrac"], 0.0);
+    let ev = oxrl_algo::value_loss::explained_variance(&want.returns, &before).unwrap();
+    assert_eq!(m["critic/vf_explained_var"], ev);
+    assert!(m.contains_key("pg_loss") && m.contains_key("critic/grad_norm"));
+    // Further critic updates on the same targets keep lowering the value loss.
+    let critic = trainer.critic.as_mut().unwrap();
+    let first = half_mse(&before, &want.returns);
+    for _ in 0..4 {
+        let now = critic.values(&trajs).unwrap();
+        critic.update(&trajs, &now, &want.returns).unwrap();
+    }
+    let after = half_mse(&critic.values(&trajs).unwrap(), &want.returns);
+    assert!(after < 0.5 * first, "value loss {first} → {after}");
+}
+
+/// The critic's checkpoint (`critic/` of a training checkpoint) brings back the same values and,
+/// with the optimizer state, the same next update.
+#[test]
+fn a_saved_critic_resumes_its_values_and_its_optimizer() {
+    let trajs = read_trajectories(&fixture("grpo-step/rollouts.jsonl")).unwrap();
+    let mut original = critic(4, 1e-3);
+    let values = original.values(&trajs).unwrap();
+    let returns: Vec<Vec<f64>> = values
+        .iter()
+        .map(|r| r.iter().map(|v| v + 1.0).collect())
+        .collect();
+    original.update(&trajs, &values, &returns).unwrap();
+    let tmp = oxrl_fixtures::temp_dir("critic-resume");
+    original.save_into(&tmp).unwrap();
+    let dir = tmp.join(oxrl_train::critic::CRITIC_DIR);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "Qwen3ForTokenClassification");
+    assert_eq!(config["num_labels"], 1);
+    let mut resumed = oxrl_train::critic::Critic::load(
+        original.config.clone(),
+        &dir,
+        DType::F32,
+        &Device::Cpu,
+        99,
+    )
+    .unwrap();
+    resumed
+        .restore_optimizer(&tmp, original.optimizer_steps())
+        .unwrap();
+    let now = original.values(&trajs).unwrap();
+    assert_eq!(resumed.values(&trajs).unwrap(), now);
+    original.update(&trajs, &now, &returns).unwrap();
+    resumed.update(&trajs, &now, &returns).unwrap();
+    assert_eq!(
+        resumed.values(&trajs).unwrap(),
+        original.values(&trajs).unwrap()
+    );
+}
+
+/// `use_kl_in_reward`: every token's reward gets −β·k1(logp_old, logp_ref), the estimator sees
+/// those per-token rewards, there is no KL loss term, and the adaptive controller moves β for
+/// the next step.
+#[test]
+fn kl_in_reward_penalises_each_token_instead_of_the_loss() {
+    use oxrl_algo::kl_reward::{KlControl, KlInReward};
+    let mut trainer = trainer(DType::F32, 4);
+    trainer.algorithm.advantage = AdvantageConfig {
+        estimator: oxrl_algo::AdvantageEstimator::ReinforcePlusPlus,
+        ..Default::default()
+    };
+    let control = KlControl::Adaptive {
+        target: 1e-4,
+        horizon: 100.0,
+    };
+    trainer.algorithm.kl_in_reward = Some(KlInReward {
+        coef: 0.5,
+        control,
+        estimator: KlEstimator::K1,
+    });
+    let trajs = read_trajectories(&fixture("grpo-step/rollouts.jsonl")).unwrap();
+    let learned = learn(&mut trainer, &trajs, &mut PhaseTimes::default()).unwrap();
+    let reference = learned.reference.as_ref().unwrap();
+    let penalties: Vec<Vec<f64>> = learned
+        .old
+        .logprobs
+        .iter()
+        .zip(reference)
+        .map(|(o, r)| {
+            o.iter()
+                .zip(r)
+                .map(|(o, r)| -0.5 * (o - r) as f64)
+                .collect()
+        })
+        .collect();
+    assert!(
+        penalties.iter().flatten().any(|p| p.abs() > 1e-6),
+        "the policy and reference differ"
+    );
+    let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
+    let uids: Vec<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
+    let lens: Vec<usize> = trajs.iter().map(|t| t.response_ids.len()).collect();
+    let inputs = oxrl_algo::AdvantageInputs {
+        rewards: &rewards,
+        uids: &uids,
+        token_counts: &lens,
+        token_penalties: Some(&penalties),
+        values: None,
+    };
+    let want = oxrl_algo::estimate_advantages(&inputs, &trainer.algorithm.advantage).unwrap();
+    for (g, w) in learned
+        .advantages
+        .iter()
+        .flatten()
+        .zip(want.advantages.iter().flatten())
+    {
+        assert!((g - w).abs() < 1e-9, "{g} vs {w}");
+    }
+    let m = &learned.report.metrics;
+    assert_eq!(m["kl"], 0.0, "no KL loss term with the KL in the reward");
+    assert_eq!(m["reward_kl_penalty_coeff"], 0.5);
+    let kl = m["reward_kl_penalty"];
+    let error = (kl / 1e-4 - 1.0).clamp(-0.2, 0.2);
+    let beta = trainer.algorithm.kl_in_reward.as_ref().unwrap().coef;
+    rel_close(
+        beta,
+        0.5 * (1.0 + error * trajs.len() as f64 / 100.0),
+        1e-12,
+        0.0,
+        "β",
+    );
 }

@@ -355,6 +355,7 @@ fn bench_trainer(
         entropy_coef: 0.0,
         overlong_filter: false,
         rollout_correction: None,
+        kl_in_reward: None,
     };
     let update = UpdateConfig {
         temperature: 1.0,
@@ -548,7 +549,7 @@ fn grpo_step(b: GrpoStepBench) -> Result<()> {
         b.micro_batch_size,
         b.steps as u64,
     )?;
-    trainer.parallel = DataParallel::new(group.collective());
+    trainer.join(DataParallel::new(group.collective()));
     let mut engine = LocalEngine::new(Arc::from(trainer.policy.detached()), None, Vec::new());
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let prompts = w1_prompts(b.prompts, trainer.policy.vocab_size(), &mut rng);

@@ -167,6 +167,76 @@ fn resume_continues_exactly_where_the_run_stopped() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// PPO with a critic and an adaptive KL penalty in the reward, end to end: the first step
+/// trains only the critic (warmup), later ones both; the checkpoint carries the critic (a
+/// `Qwen3ForTokenClassification` directory with its optimizer) and β, so a run stopped after 2
+/// steps and resumed ends where 4 uninterrupted steps do, policy and critic alike.
+#[test]
+fn ppo_with_a_critic_resumes_exactly() {
+    let dir = temp_dir("ppo");
+    let config = oxrl_fixtures::demo_config(
+        "arithmetic",
+        &dir.join("ppo.toml"),
+        &[
+            ("batch_size = 32", "batch_size = 4"),
+            ("max_steps = 200", "max_steps = 4"),
+            ("save_every = 20", "save_every = 2"),
+            ("advantage = \"grpo\"", "advantage = \"gae\"\nlam = 0.95"),
+            (
+                "kl_coef = 0.0",
+                "kl_coef = 0.01\nuse_kl_in_reward = true\nkl_ctrl = \"adaptive\"\n\
+                 [critic]\nlr = 1e-4\nwarmup_steps = 1\nmicro_batch_size = 16",
+            ),
+        ],
+    );
+    let (whole, split) = (dir.join("whole"), dir.join("split"));
+    let train = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["train", "--config", s(&config), "--output-dir", s(out)];
+        args.extend(extra);
+        ok(&oxrl(&args));
+    };
+    train(&whole, &[]);
+    train(&split, &["--max-steps", "2"]);
+    train(&split, &["--resume"]);
+    let critic = |d: &Path| tensors(&d.join("checkpoint-4/critic"));
+    assert_eq!(
+        tensors(&whole.join("checkpoint-4")),
+        tensors(&split.join("checkpoint-4"))
+    );
+    assert_eq!(critic(&whole), critic(&split), "resumed critic differs");
+    assert!(critic(&whole).contains_key("score.weight"));
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(whole.join("checkpoint-4/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["critic_optimizer_step"], 4);
+    let lines = |d: &Path| -> Vec<Value> {
+        std::fs::read_to_string(d.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|m| m.get("critic/vf_loss").is_some())
+            .collect()
+    };
+    let (a, b) = (lines(&whole), lines(&split));
+    assert_eq!(a.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        for key in ["critic/vf_loss", "reward_kl_penalty_coeff", "reward_mean"] {
+            assert_eq!(x[key], y[key], "{key}");
+        }
+    }
+    assert!(
+        a[0].get("pg_loss").is_none(),
+        "step 1 is the critic's warmup"
+    );
+    assert!(a[1].get("pg_loss").is_some());
+    assert_ne!(
+        a[0]["reward_kl_penalty_coeff"],
+        a[3]["reward_kl_penalty_coeff"]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Every sampled trajectory records the weights that sampled it: step `s` samples with the
 /// weights after `s − 1` updates. A saved file still replays (its versions are another run's).
 #[test]

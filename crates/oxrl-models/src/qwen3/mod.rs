@@ -35,6 +35,7 @@ mod rms_norm;
 mod rotary;
 mod save;
 mod scoring;
+pub mod value_model;
 mod visual;
 
 pub use attention::Attention;
@@ -52,6 +53,7 @@ pub use random::parameter_shapes;
 pub use reward_model::Qwen3RewardModel;
 pub use rms_norm::RmsNorm;
 pub use scoring::{BatchLogprobs, Entropy, LogprobsAndEntropy, ScoreRequest};
+pub use value_model::Qwen3ValueModel;
 pub use visual::Vision;
 
 /// `architectures` of a text-only Qwen3 checkpoint.

@@ -209,6 +209,19 @@ impl Qwen3 {
         Ok((out, entropies))
     }
 
+    /// The final hidden state each response token is chosen from — the position before it —
+    /// for every response token of the batch, request after request: `[R, D]` on the training
+    /// path (gradients reach the weights). What a value head reads (verl's critic takes
+    /// `values[:, -len-1:-1]`).
+    pub fn response_states(&self, batch: &[ScoreRequest]) -> Result<Tensor> {
+        let longest = batch
+            .iter()
+            .map(|r| r.prompt_ids.len() + r.response_ids.len())
+            .max()
+            .unwrap_or(0);
+        Ok(self.response_hidden(batch, longest, false)?.rows)
+    }
+
     /// Final hidden states of every response position of the batch, gathered into `[R, D]`
     /// (R = all response tokens, request after request), with the target ids and each row's
     /// temperature. One right-padded forward over the batch; with `checkpoint`, one that keeps
