@@ -186,6 +186,57 @@ fn replay_on_two_four_and_five_ranks_equals_one_process() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// PPO on two ranks: the fixture's step replayed with a critic and the KL in the reward. Each
+/// rank values and trains on its share (one micro-batch of 6, as one process splits the 12), so
+/// the policy, the critic and their metrics equal one process's bit for bit.
+#[test]
+fn ppo_replay_on_two_ranks_equals_one_process() {
+    let dir = temp_dir("dp-ppo");
+    let rollouts = fixture("grpo-step").join("rollouts.jsonl");
+    let base = std::fs::read_to_string(replay_config(&dir, 6)).unwrap();
+    let config = dir.join("ppo.toml");
+    std::fs::write(
+        &config,
+        base.replace("advantage = \"grpo\"", "advantage = \"gae\"\nlam = 0.9")
+            .replace("kl_estimator = \"k3\"", "use_kl_in_reward = true")
+            + "[critic]\nlr = 1e-3\nmicro_batch_size = 6\n",
+    )
+    .unwrap();
+    let (one, two) = (dir.join("one"), dir.join("two"));
+    let args = |out: &Path| {
+        vec![
+            "train".to_string(),
+            "--config".into(),
+            s(&config).into(),
+            "--rollouts".into(),
+            s(&rollouts).into(),
+            "--output-dir".into(),
+            s(out).into(),
+        ]
+    };
+    ok(&single(&strs(&args(&one))));
+    ok(&torchrun(2, &strs(&args(&two))));
+    let (a, b) = (&metrics(&one)[0], &metrics(&two)[0]);
+    for key in [
+        "pg_loss",
+        "critic/vf_loss",
+        "critic/vpred_mean",
+        "critic/grad_norm",
+        "critic/vf_explained_var",
+        "reward_kl_penalty",
+    ] {
+        assert_eq!(a[key], b[key], "{key}");
+    }
+    for sub in ["checkpoint-1", "checkpoint-1/critic"] {
+        assert_eq!(
+            worst_relative(&tensors(&one.join(sub)), &tensors(&two.join(sub))),
+            0.0,
+            "{sub}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
