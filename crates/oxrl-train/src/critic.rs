@@ -5,7 +5,10 @@
 //! `dp_critic` step. In a data-parallel group each rank computes its share of every
 //! mini-batch and the ranks sum the gradients; every rank keeps the whole critic optimizer.
 
-use crate::optim::{adamw_on, clip_grad_norm, squared_norms, AdamW, AdamWConfig, Optimizer};
+use crate::optim::{
+    accumulate, adamw_on, clip_grad_norm, dense_gradients, host_values, squared_norms, AdamW,
+    AdamWConfig, Optimizer,
+};
 use crate::parallel::DataParallel;
 use crate::state::{read_optimizer_state, write_optimizer_state};
 use crate::trajectory::Trajectory;
@@ -77,15 +80,7 @@ impl Critic {
 
     pub fn new(mut model: Qwen3ValueModel, config: CriticConfig) -> Result<Self> {
         let vars = model.make_trainable()?;
-        let initial = vars
-            .iter()
-            .map(|(_, v)| {
-                v.as_tensor()
-                    .to_dtype(DType::F32)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let initial = host_values(&vars)?;
         let var_list: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
         let device = model.model.device.clone();
         let optimizer = adamw_on(&device, AdamW::new(config.optimizer, initial), &var_list)?;
@@ -213,16 +208,7 @@ impl Critic {
         let n = out.per_token.dims1()?;
         let w = Tensor::from_vec(token_weights(self.config.loss_agg, &lens, totals), n, &dev)?;
         let loss = (&out.per_token * &w)?.sum_all()?;
-        let grads = loss.backward()?;
-        for ((_, var), slot) in self.vars.iter().zip(acc.iter_mut()) {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                let g = g.to_dtype(DType::F32)?;
-                *slot = Some(match slot.take() {
-                    Some(prev) => (prev + g)?,
-                    None => g,
-                });
-            }
-        }
+        accumulate(&self.vars, acc, &loss.backward()?)?;
         let vsum = vpred.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
         Ok([
             loss.to_scalar::<f32>()? as f64,
@@ -235,19 +221,7 @@ impl Critic {
     /// Sums the gradients over the group, clips them and takes one AdamW step; returns the
     /// norm before clipping.
     fn apply(&mut self, acc: Vec<Option<Tensor>>) -> Result<f64> {
-        let mut grads = self
-            .vars
-            .iter()
-            .zip(acc)
-            .map(|((_, var), g)| match g {
-                Some(g) => Ok(g),
-                None => Tensor::zeros(
-                    var.as_tensor().shape(),
-                    DType::F32,
-                    var.as_tensor().device(),
-                ),
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut grads = dense_gradients(&self.vars, acc)?;
         self.parallel.sum_gradients(&mut grads)?;
         let squared = squared_norms(&grads)?;
         let norm = clip_grad_norm(&mut grads, &squared, self.config.max_grad_norm)?;

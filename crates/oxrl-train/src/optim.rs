@@ -235,6 +235,54 @@ pub fn adamw_on(
     })
 }
 
+/// Each variable's values as host f32 (where AdamW's master weights start).
+pub fn host_values(vars: &[(String, Var)]) -> candle_core::Result<Vec<Vec<f32>>> {
+    vars.iter()
+        .map(|(_, v)| {
+            v.as_tensor()
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()
+        })
+        .collect()
+}
+
+/// Adds one backward pass's gradients of `vars` to `acc` (one slot per variable, in f32).
+pub fn accumulate(
+    vars: &[(String, Var)],
+    acc: &mut [Option<Tensor>],
+    grads: &candle_core::backprop::GradStore,
+) -> candle_core::Result<()> {
+    for ((_, var), slot) in vars.iter().zip(acc.iter_mut()) {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            let g = g.to_dtype(DType::F32)?;
+            *slot = Some(match slot.take() {
+                Some(prev) => (prev + g)?,
+                None => g,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The accumulated gradients as one f32 tensor per variable: zeros where no loss reached it.
+pub fn dense_gradients(
+    vars: &[(String, Var)],
+    acc: Vec<Option<Tensor>>,
+) -> candle_core::Result<Vec<Tensor>> {
+    vars.iter()
+        .zip(acc)
+        .map(|((_, var), g)| match g {
+            Some(g) => Ok(g),
+            None => Tensor::zeros(
+                var.as_tensor().shape(),
+                DType::F32,
+                var.as_tensor().device(),
+            ),
+        })
+        .collect()
+}
+
 /// Each gradient's squared L2 norm, summed in f64 on its device.
 pub fn squared_norms(grads: &[Tensor]) -> candle_core::Result<Vec<f64>> {
     grads

@@ -11,7 +11,8 @@
 use crate::critic::Critic;
 use crate::loss::{micro_batch_loss, LossMetrics, MicroBatch};
 use crate::optim::{
-    adamw_on, clip_grad_norm, squared_norms, AdamW, AdamWConfig, LrSchedule, Optimizer, ParamState,
+    accumulate, adamw_on, clip_grad_norm, dense_gradients, host_values, squared_norms, AdamW,
+    AdamWConfig, LrSchedule, Optimizer, ParamState,
 };
 use crate::parallel::DataParallel;
 use crate::trajectory::Trajectory;
@@ -288,15 +289,7 @@ impl PolicyTrainer {
             ));
         }
         let vars = policy.make_trainable()?;
-        let initial = vars
-            .iter()
-            .map(|(_, v)| {
-                v.as_tensor()
-                    .to_dtype(DType::F32)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let initial = host_values(&vars)?;
         let mut trainer = Self {
             optimizer: Box::new(AdamW::new(update.optimizer, Vec::new())),
             policy,
@@ -685,16 +678,7 @@ impl PolicyTrainer {
 
     /// Adds a micro-batch's gradients to `acc` (one slot per parameter).
     fn accumulate(&self, acc: &mut [Option<Tensor>], grads: &GradStore) -> Result<()> {
-        for ((_, var), slot) in self.vars.iter().zip(acc.iter_mut()) {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                let g = g.to_dtype(DType::F32)?;
-                *slot = Some(match slot.take() {
-                    Some(prev) => (prev + g)?,
-                    None => g,
-                });
-            }
-        }
-        Ok(())
+        Ok(accumulate(&self.vars, acc, grads)?)
     }
 
     /// The mini-batch's gradients as one f32 tensor per parameter (zeros where the loss did not
@@ -709,18 +693,7 @@ impl PolicyTrainer {
     /// This rank's accumulated gradients, one f32 tensor per parameter (zeros where the loss
     /// did not reach it).
     fn local_gradients(&self, acc: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
-        self.vars
-            .iter()
-            .zip(acc)
-            .map(|((_, var), g)| match g {
-                Some(g) => Ok(g),
-                None => Ok(Tensor::zeros(
-                    var.as_tensor().shape(),
-                    DType::F32,
-                    var.as_tensor().device(),
-                )?),
-            })
-            .collect()
+        Ok(dense_gradients(&self.vars, acc)?)
     }
 
     /// Reduces and clips the accumulated gradients and takes one optimizer step, which writes

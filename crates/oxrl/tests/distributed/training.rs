@@ -98,6 +98,19 @@ fn replay_config(dir: &Path, micro_batch_size: usize) -> PathBuf {
     config
 }
 
+/// `oxrl train --config <config> --rollouts <rollouts> --output-dir <out>`.
+fn replay_args<'a>(config: &'a Path, rollouts: &'a Path, out: &'a Path) -> Vec<&'a str> {
+    vec![
+        "train",
+        "--config",
+        s(config),
+        "--rollouts",
+        s(rollouts),
+        "--output-dir",
+        s(out),
+    ]
+}
+
 /// verl's GRPO step (the grpo-step fixture, 12 trajectories) replayed by 2, 4 and 5 ranks equals
 /// the single process's.
 #[test]
@@ -112,26 +125,8 @@ fn replay_on_two_four_and_five_ranks_equals_one_process() {
             dir.join(format!("one-{micro}")),
             dir.join(format!("ranks-{ranks}")),
         );
-        let args = |out: &Path| {
-            vec![
-                "train".to_string(),
-                "--config".into(),
-                s(&config).into(),
-                "--rollouts".into(),
-                s(&rollouts).into(),
-                "--output-dir".into(),
-                s(out).into(),
-            ]
-        };
-        let one_args = args(&one);
-        ok(&single(
-            &one_args.iter().map(String::as_str).collect::<Vec<_>>(),
-        ));
-        let many_args = args(&many);
-        let out = torchrun(
-            ranks,
-            &many_args.iter().map(String::as_str).collect::<Vec<_>>(),
-        );
+        ok(&single(&replay_args(&config, &rollouts, &one)));
+        let out = torchrun(ranks, &replay_args(&config, &rollouts, &many));
         ok(&out);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(
@@ -203,19 +198,8 @@ fn ppo_replay_on_two_ranks_equals_one_process() {
     )
     .unwrap();
     let (one, two) = (dir.join("one"), dir.join("two"));
-    let args = |out: &Path| {
-        vec![
-            "train".to_string(),
-            "--config".into(),
-            s(&config).into(),
-            "--rollouts".into(),
-            s(&rollouts).into(),
-            "--output-dir".into(),
-            s(out).into(),
-        ]
-    };
-    ok(&single(&strs(&args(&one))));
-    ok(&torchrun(2, &strs(&args(&two))));
+    ok(&single(&replay_args(&config, &rollouts, &one)));
+    ok(&torchrun(2, &replay_args(&config, &rollouts, &two)));
     let (a, b) = (&metrics(&one)[0], &metrics(&two)[0]);
     for key in [
         "pg_loss",
