@@ -481,6 +481,7 @@ impl Batcher {
                 finish_reason: seq.finish.unwrap_or(FinishReason::Length),
                 text,
                 weight_version: oldest.unwrap_or(self.version),
+                episode: None,
             };
             let group = self.groups.get_mut(&seq.group).expect("kept above");
             group.sink.finished(seq.sample, completion, seq.versions);

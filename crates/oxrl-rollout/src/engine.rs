@@ -131,6 +131,18 @@ pub struct Completion {
     pub text: Option<String>,
     /// The weights that sampled it.
     pub weight_version: WeightVersion,
+    /// A multi-turn episode's extras; `None` for one generation.
+    pub episode: Option<EpisodeTokens>,
+}
+
+/// What a multi-turn episode adds to a completion: its response interleaves the policy's turns
+/// with the environment's observation tokens.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EpisodeTokens {
+    /// The episode's prompt, when its environment replaced the request's.
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Per response token: the policy generated it (`true`), or the environment wrote it.
+    pub generated: Vec<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]

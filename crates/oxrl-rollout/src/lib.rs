@@ -14,8 +14,8 @@ pub mod weight_transfer;
 
 pub use batch::{Batcher, Group, GroupSink, StepReport, VersionSpan};
 pub use engine::{
-    Completion, Engine, EngineError, FinishReason, PromptImage, PromptImages, SamplingParams,
-    WeightVersion, MAX_SAMPLES_PER_PROMPT, MAX_SEQUENCES_PER_REQUEST,
+    Completion, Engine, EngineError, EpisodeTokens, FinishReason, PromptImage, PromptImages,
+    SamplingParams, WeightVersion, MAX_SAMPLES_PER_PROMPT, MAX_SEQUENCES_PER_REQUEST,
 };
 pub use local::LocalEngine;
 pub use sampler::{SamplerConfig, SamplerScratch};

@@ -486,6 +486,7 @@ impl VllmEngine {
                 logprobs,
                 finish_reason,
                 weight_version: sampled_version(c).unwrap_or(self.version),
+                episode: None,
             };
             if let Some(t) = &self.tokenizer {
                 cut_at_stop_string(&mut completion, &params.stop_strings, t)?;
@@ -1008,6 +1009,7 @@ mod tests {
             response_ids: ids.clone(),
             finish_reason: FinishReason::Length,
             weight_version: WeightVersion(0),
+            episode: None,
         };
         cut_at_stop_string(&mut c, &["\n".to_string()], &tok).unwrap();
         assert_eq!(c.text.as_deref(), Some("12"));

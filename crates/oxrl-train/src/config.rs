@@ -60,6 +60,23 @@ pub struct RewardConfig {
     pub timeout_s: f64,
 }
 
+/// The environment of multi-turn episodes (`[environment]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EnvironmentConfig {
+    pub kind: EnvironmentKind,
+    pub max_turns: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum EnvironmentKind {
+    /// Tools by name, and the column the final answer is checked against.
+    Tools {
+        tools: Vec<String>,
+        answer_key: String,
+    },
+    Http(oxrl_env::HttpEnvSpec),
+}
+
 /// DAPO's sampling-side settings (`[algorithm]`): the soft overlong punishment and dynamic
 /// sampling.
 #[derive(Debug, Clone, PartialEq)]
@@ -92,6 +109,8 @@ pub struct RunConfig {
     pub reference_path: Option<String>,
     /// PPO's critic (`advantage = "gae"`); its path as given, resolved like `[model] path`.
     pub critic: Option<CriticConfig>,
+    /// `[environment]`: multi-turn episodes instead of one generation per trajectory.
+    pub environment: Option<EnvironmentConfig>,
     pub data: DataConfig,
     pub rollout: RolloutConfig,
     pub reward: RewardConfig,
@@ -484,6 +503,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         lora: lora(given)?,
         reference_path: given.get("reference.path").map(local_or_hub),
         critic,
+        environment: environment(given, &data.answer_key)?,
         data,
         rollout,
         reward,
@@ -500,6 +520,80 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         prometheus_port: given.get("logging.prometheus_port"),
         prometheus_host: given.value("logging.prometheus_host"),
     })
+}
+
+/// `[environment]`, or `None` without a `type`. Its keys are checked against the type, and an
+/// environment scores the episodes, so `[[reward.functions]]` are refused beside it.
+fn environment(given: &Given, answer_key: &str) -> Result<Option<EnvironmentConfig>, ConfigError> {
+    const KEYS: [&str; 5] = ["max_turns", "tools", "answer_key", "url", "timeout_s"];
+    let Some(kind) = given.get::<String>("environment.type") else {
+        if let Some(key) = KEYS
+            .iter()
+            .find(|k| given.is_set(&format!("environment.{k}")))
+        {
+            return Err(given.bad(
+                &format!("environment.{key}"),
+                "has no effect without [environment] type",
+            ));
+        }
+        return Ok(None);
+    };
+    if !given.functions.is_empty() {
+        return Err(given.bad(
+            "environment.type",
+            "the environment scores the episodes; remove the [[reward.functions]] tables",
+        ));
+    }
+    let only = |keys: &[&str], of: &str| -> Result<(), ConfigError> {
+        match keys
+            .iter()
+            .find(|k| given.is_set(&format!("environment.{k}")))
+        {
+            Some(k) => Err(given.bad(
+                &format!("environment.{k}"),
+                format!("has no effect with type = \"{of}\""),
+            )),
+            None => Ok(()),
+        }
+    };
+    let kind = match kind.as_str() {
+        "tools" => {
+            only(&["url", "timeout_s"], "tools")?;
+            let tools: Vec<String> = given.value("environment.tools");
+            if let Some(bad) = tools
+                .iter()
+                .find(|t| oxrl_env::Tool::from_name(t).is_none())
+            {
+                return Err(given.bad(
+                    "environment.tools",
+                    format!(
+                        "unknown tool `{bad}`; expected some of {}",
+                        oxrl_env::Tool::NAMES.join(", ")
+                    ),
+                ));
+            }
+            EnvironmentKind::Tools {
+                tools,
+                answer_key: given
+                    .get("environment.answer_key")
+                    .unwrap_or_else(|| answer_key.to_string()),
+            }
+        }
+        _ => {
+            only(&["tools", "answer_key"], "http")?;
+            let url: String = given
+                .get("environment.url")
+                .ok_or_else(|| given.bad("environment.type", "type = \"http\" needs url"))?;
+            EnvironmentKind::Http(oxrl_env::HttpEnvSpec {
+                url,
+                timeout: std::time::Duration::from_secs_f64(given.value("environment.timeout_s")),
+            })
+        }
+    };
+    Ok(Some(EnvironmentConfig {
+        kind,
+        max_turns: given.value("environment.max_turns"),
+    }))
 }
 
 /// `[algorithm] use_kl_in_reward` and its controller, or `None` (a KL loss term, if any).
@@ -710,6 +804,54 @@ mod tests {
             e.starts_with("dir/run.toml:4:") && e.contains("critic.lr") && e.contains("\"gae\""),
             "{e}"
         );
+    }
+
+    #[test]
+    fn an_environment_replaces_the_reward_functions_and_checks_its_keys() {
+        let c = parse(
+            "[model]\npath = \"m\"\n[data]\nanswer_key = \"solution\"\n[environment]\ntype = \"tools\"\ntools = [\"calculator\", \"python\"]\nmax_turns = 2\n",
+        )
+        .unwrap();
+        let env = c.environment.unwrap();
+        assert_eq!(env.max_turns, 2);
+        assert_eq!(
+            env.kind,
+            EnvironmentKind::Tools {
+                tools: vec!["calculator".into(), "python".into()],
+                answer_key: "solution".into()
+            }
+        );
+        let http =
+            parse("[model]\npath = \"m\"\n[environment]\ntype = \"http\"\nurl = \"http://h:1\"\n")
+                .unwrap();
+        assert!(
+            matches!(http.environment.unwrap().kind, EnvironmentKind::Http(s) if s.url == "http://h:1")
+        );
+        for (text, want) in [
+            (
+                "[environment]\nmax_turns = 2\n",
+                "without [environment] type",
+            ),
+            ("[environment]\ntype = \"http\"\n", "needs url"),
+            (
+                "[environment]\ntype = \"tools\"\nurl = \"x\"\n",
+                "has no effect with type = \"tools\"",
+            ),
+            (
+                "[environment]\ntype = \"tools\"\ntools = [\"shell\"]\n",
+                "unknown tool `shell`",
+            ),
+            ("[environment]\ntype = \"gym\"\n", "tools"),
+            (
+                "[environment]\ntype = \"tools\"\n[[reward.functions]]\ntype = \"math_answer\"\n",
+                "remove the [[reward.functions]]",
+            ),
+        ] {
+            let e = parse(&format!("[model]\npath = \"m\"\n{text}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{text}: {e}");
+        }
     }
 
     #[test]

@@ -4,9 +4,10 @@
 //! off the loop here.
 
 use crate::config::RewardKind;
-use crate::config::RunConfig;
+use crate::config::{EnvironmentKind, RunConfig};
 use crate::critic::{Critic, CRITIC_DIR};
 use crate::data::{load_prompts, DataCursor, DataOrder, PromptRow};
+use crate::episodes::{run_episodes, EpisodeLimits};
 use crate::interrupt::Interrupt;
 use crate::note;
 use crate::observe::{write_svg_chart, Gauges, MetricsLog, PhaseTimes, Progress};
@@ -21,8 +22,12 @@ use candle_core::{DType, Device};
 use oxrl_algo::advantage::frac_zero_std_groups;
 use oxrl_algo::dapo::{informative_groups, soft_overlong_penalty};
 use oxrl_algo::value_loss::explained_variance;
-use oxrl_algo::{estimate_advantages, AdvantageConfig, AdvantageInputs, TokenAdvantages};
+use oxrl_algo::{
+    estimate_advantages, AdvantageConfig, AdvantageEstimator, AdvantageInputs, TokenAdvantages,
+};
+use oxrl_env::{EnvironmentFactory, HttpEnvironmentFactory, ToolEnvironmentFactory};
 use oxrl_models::{eos_token_ids, hub::resolve_model, load_policy, ImagePrompting, Tokenizer};
+use oxrl_reward::sandbox::Limits;
 use oxrl_reward::{
     build_rule, CodeReward, HttpReward, RewardFn, RewardInput, RewardModel, RewardOutcome,
     RewardSet, WeightedReward,
@@ -147,7 +152,7 @@ pub(crate) fn open_device(cfg: &RunConfig) -> Result<Device> {
 /// isolation and its interpreter here and a reward model is loaded, so a machine that cannot
 /// run them stops the run at once.
 fn reward_set(cfg: &RunConfig, device: &Device) -> Result<RewardSet> {
-    if cfg.reward.functions.is_empty() {
+    if cfg.reward.functions.is_empty() && cfg.environment.is_none() {
         return Err(TrainError::Invalid(format!(
             "{}: a sampling run needs at least one [[reward.functions]] table",
             cfg.source.display()
@@ -189,6 +194,48 @@ fn reward_set(cfg: &RunConfig, device: &Device) -> Result<RewardSet> {
     })
 }
 
+/// The run's environment factory (`[environment]`), built before the policy loads so a
+/// machine without the sandbox stops the run at once.
+fn environments(cfg: &RunConfig) -> Result<Option<Box<dyn EnvironmentFactory>>> {
+    let Some(env) = &cfg.environment else {
+        return Ok(None);
+    };
+    let invalid = |e: oxrl_env::EnvError| {
+        TrainError::Invalid(format!("{}: [environment]: {e}", cfg.source.display()))
+    };
+    Ok(Some(match &env.kind {
+        EnvironmentKind::Tools { tools, answer_key } => Box::new(
+            ToolEnvironmentFactory::new(tools, answer_key, Limits::default()).map_err(invalid)?,
+        ),
+        EnvironmentKind::Http(spec) => Box::new(HttpEnvironmentFactory::new(spec.clone())),
+    }))
+}
+
+/// Every row has what the environment reads (the tools' ground truth), and no images: the
+/// episodes are text-only for now.
+fn check_environment_rows(cfg: &RunConfig, rows: &[PromptRow]) -> Result<()> {
+    let Some(env) = &cfg.environment else {
+        return Ok(());
+    };
+    for p in rows {
+        if !p.images.is_empty() {
+            return Err(TrainError::Invalid(format!(
+                "{}: a prompt with images; [environment] episodes take text prompts only",
+                p.at
+            )));
+        }
+        if let EnvironmentKind::Tools { answer_key, .. } = &env.kind {
+            if !p.row.contains_key(answer_key) {
+                return Err(TrainError::Invalid(format!(
+                    "{}: no `{answer_key}` column, which the tools environment checks final answers against",
+                    p.at
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Every row has the columns the run's reward functions read: a missing answer would
 /// otherwise score every response of its prompt 0, and the run would train on noise.
 fn check_reward_columns(cfg: &RunConfig, rows: &[PromptRow]) -> Result<()> {
@@ -227,6 +274,8 @@ pub struct GrpoRun {
     engine: Box<dyn Engine>,
     tokenizer: Arc<Tokenizer>,
     rewards: RewardSet,
+    /// `[environment]`: each trajectory is a multi-turn episode with one of these.
+    environments: Option<Box<dyn EnvironmentFactory>>,
     prompts: Vec<PromptRow>,
     /// Validation prompts (`[data] val_files`), decoded greedily.
     val: Vec<PromptRow>,
@@ -276,6 +325,7 @@ impl GrpoRun {
         }
         let device = open_device(&cfg)?;
         let rewards = reward_set(&cfg, &device)?;
+        let environments = environments(&cfg)?;
         if cfg.data.train_files.is_empty() {
             return Err(TrainError::Invalid(format!(
                 "{}: [data] train_files is required for a sampling run",
@@ -305,6 +355,7 @@ impl GrpoRun {
         };
         for rows in [&prompts, &val] {
             check_reward_columns(&cfg, rows)?;
+            check_environment_rows(&cfg, rows)?;
         }
         if dropped > 0 {
             note!(
@@ -320,6 +371,9 @@ impl GrpoRun {
             Some(dir) => dir.resumed.clone(),
             None => resume.then(|| state::latest(&cfg.output_dir)).flatten(),
         };
+        if let (Some(dir), true) = (&run_dir, resumed.is_none()) {
+            dir.keep_config(&cfg.source)?;
+        }
         agree_on_checkpoint(&parallel, &resumed, &cfg.output_dir)?;
         let (policy_dir, trainer_state) = match &resumed {
             Some((_, dir)) => (dir.clone(), Some(state::load_state(dir)?)),
@@ -394,6 +448,7 @@ impl GrpoRun {
             engine,
             tokenizer,
             rewards,
+            environments,
             prompts,
             val,
             order,
@@ -617,8 +672,21 @@ impl GrpoRun {
         let share = self.trainer.parallel.share(rows.len());
         let first = share.start as u64;
         let mine = &rows[share];
-        let completions = time.time("rollout", || self.rollout(mine, batch, first))?;
-        let rewards = time.time("reward", || self.score(mine, &self.prompts, &completions))?;
+        let (completions, rewards) = match self.environments.is_some() {
+            true => {
+                let params = SamplingParams {
+                    first_prompt: first,
+                    ..self.sampling_params(batch)
+                };
+                time.time("rollout", || self.episodes(mine, &params, false))?
+            }
+            false => {
+                let completions = time.time("rollout", || self.rollout(mine, batch, first))?;
+                let rewards =
+                    time.time("reward", || self.score(mine, &self.prompts, &completions))?;
+                (completions, rewards)
+            }
+        };
         if self.trainer.parallel.is_single() {
             return Ok((completions, rewards));
         }
@@ -676,6 +744,48 @@ impl GrpoRun {
         }
     }
 
+    /// `params.n` multi-turn episodes of each prompt `rows[i]` (of the validation prompts with
+    /// `validation`) with the run's environment, and their rewards (as the reward function
+    /// `environment`).
+    fn episodes(
+        &mut self,
+        rows: &[usize],
+        params: &SamplingParams,
+        validation: bool,
+    ) -> Result<(Vec<Vec<Completion>>, RewardOutcome)> {
+        let (Some(environments), Some(env)) = (&self.environments, &self.cfg.environment) else {
+            return Err(TrainError::Invalid("the run has no [environment]".into()));
+        };
+        let source = match validation {
+            true => &self.val,
+            false => &self.prompts,
+        };
+        let asked: Vec<&PromptRow> = rows.iter().map(|&i| &source[i]).collect();
+        let limits = EpisodeLimits {
+            max_turns: env.max_turns,
+            max_positions: self.trainer.policy.max_positions(),
+        };
+        let (completions, scores) = run_episodes(
+            self.engine.as_mut(),
+            &self.tokenizer,
+            environments.as_ref(),
+            &asked,
+            params,
+            limits,
+        )?;
+        let name = "environment".to_string();
+        let turns = scores.turns.iter().map(|&t| t as f64).collect();
+        Ok((
+            completions,
+            RewardOutcome {
+                total: scores.rewards.clone(),
+                per_function: vec![(name.clone(), scores.rewards), ("turns".into(), turns)],
+                failures: vec![(name, scores.failures)],
+                latency: Vec::new(),
+            },
+        ))
+    }
+
     /// `n_samples_per_prompt` completions of each prompt `rows[i]`, in the step's `batch`-th
     /// sampling, drawn as prompt `first + i` of that sampling.
     fn rollout(&mut self, rows: &[usize], batch: u64, first: u64) -> Result<Vec<Vec<Completion>>> {
@@ -705,9 +815,12 @@ impl GrpoRun {
             let slot = first_slot + i;
             let p = &self.prompts[row];
             for (c, &reward) in samples.iter().zip(&mut rewards) {
+                let episode = c.episode.as_ref();
                 trajs.push(Trajectory {
                     uid: format!("{}#{slot}", p.uid),
-                    prompt_ids: p.prompt_ids.clone(),
+                    prompt_ids: episode
+                        .and_then(|e| e.prompt_ids.clone())
+                        .unwrap_or_else(|| p.prompt_ids.clone()),
                     response_ids: c.response_ids.clone(),
                     reward,
                     rollout_logprobs: c.logprobs.clone(),
@@ -715,6 +828,7 @@ impl GrpoRun {
                     weight_version: Some(c.weight_version),
                     images: p.image_refs.clone(),
                     pixels: p.images.clone(),
+                    loss_mask: episode.map(|e| e.generated.clone()).unwrap_or_default(),
                 });
             }
         }
@@ -766,11 +880,17 @@ impl GrpoRun {
             stop_strings: r.stop.clone(),
             ..Default::default()
         };
-        let asked: Vec<&PromptRow> = self.val.iter().collect();
-        let (ids, images) = engine_prompts(&asked);
-        let completions = self.engine.generate_with_images(&ids, &images, &params)?;
         let rows: Vec<usize> = (0..self.val.len()).collect();
-        let outcome = self.score(&rows, &self.val, &completions)?;
+        let (completions, outcome) = match self.environments.is_some() {
+            true => self.episodes(&rows, &params, true)?,
+            false => {
+                let asked: Vec<&PromptRow> = self.val.iter().collect();
+                let (ids, images) = engine_prompts(&asked);
+                let completions = self.engine.generate_with_images(&ids, &images, &params)?;
+                let outcome = self.score(&rows, &self.val, &completions)?;
+                (completions, outcome)
+            }
+        };
         m.insert("val/reward_mean".into(), mean_std(&outcome.total).0);
         for (name, scores) in &outcome.per_function {
             m.insert(format!("val/reward/{name}"), mean_std(scores).0);
@@ -923,6 +1043,7 @@ pub fn learn(
     time: &mut PhaseTimes,
 ) -> Result<Learned> {
     trainer.check_weight_versions(trajs)?;
+    check_loss_masks(trajs, &trainer.algorithm)?;
     let mut metrics = BTreeMap::new();
     // The KL penalty in the reward is part of the advantages' input: the log-probs come first.
     let early = match trainer.algorithm.kl_in_reward.is_some() {
@@ -997,6 +1118,10 @@ pub fn learn(
             trainer.algorithm.old_logprobs,
         )?);
     }
+    old.keep = loss_keep(
+        &trained,
+        old.correction.as_ref().and_then(|c| c.keep.as_ref()),
+    );
     // With the KL in the reward there is no KL loss term.
     let loss_reference = match penalty {
         Some(_) => None,
@@ -1045,6 +1170,62 @@ pub fn learn(
         reference,
         report,
     })
+}
+
+/// Refuses loss masks (multi-turn episodes) that do not fit their responses, or an algorithm
+/// that cannot take them yet: the token-level estimators would discount and whiten through the
+/// environment's tokens, and rollout correction would compare log-probs the engine never made.
+fn check_loss_masks(trajs: &[Trajectory], algo: &crate::update::AlgorithmConfig) -> Result<()> {
+    let Some(first) = trajs.iter().position(|t| !t.loss_mask.is_empty()) else {
+        return Ok(());
+    };
+    if let Some((i, t)) = trajs
+        .iter()
+        .enumerate()
+        .find(|(_, t)| !t.loss_mask.is_empty() && t.loss_mask.len() != t.response_ids.len())
+    {
+        return Err(TrainError::Invalid(format!(
+            "trajectory {i} (uid {}): loss_mask has {} entries for {} response tokens",
+            t.uid,
+            t.loss_mask.len(),
+            t.response_ids.len()
+        )));
+    }
+    let token_level = matches!(
+        algo.advantage.estimator,
+        AdvantageEstimator::ReinforcePlusPlus | AdvantageEstimator::Gae
+    );
+    let refused = match (token_level, &algo.rollout_correction) {
+        (true, _) => "the token-level advantage estimators (reinforce_plus_plus, gae)",
+        (false, Some(_)) => "rollout correction (rollout_is / rollout_rs)",
+        (false, None) => return Ok(()),
+    };
+    Err(TrainError::Invalid(format!(
+        "trajectory {first} (uid {}) is a multi-turn episode (it has a loss_mask): {refused} \
+         do not take environment tokens yet; use a group estimator (grpo, rloo, ...)",
+        trajs[first].uid
+    )))
+}
+
+/// The tokens that enter the loss: each trajectory's loss mask (environment tokens out), and
+/// of those what rollout correction keeps. `None` when every token enters.
+fn loss_keep(trajs: &[Trajectory], kept: Option<&Vec<Vec<bool>>>) -> Option<Vec<Vec<bool>>> {
+    if trajs.iter().all(|t| t.loss_mask.is_empty()) {
+        return kept.cloned();
+    }
+    Some(
+        trajs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                (0..t.response_ids.len())
+                    .map(|k| {
+                        t.loss_mask.get(k).copied().unwrap_or(true) && kept.is_none_or(|r| r[i][k])
+                    })
+                    .collect()
+            })
+            .collect(),
+    )
 }
 
 /// `logp_old` and the reference log-probs of `trajs`: computed here in a single process, shared
@@ -1142,6 +1323,7 @@ fn shared_logprobs(
         logprobs,
         entropy,
         correction: None,
+        keep: None,
     };
     Ok((old, reference))
 }

@@ -7,6 +7,7 @@ mod config_file;
 pub mod config_keys;
 pub mod critic;
 pub mod data;
+pub mod episodes;
 pub mod error;
 pub mod grpo;
 pub mod interrupt;

@@ -379,16 +379,33 @@ impl Progress {
 
 /// Writes an SVG line chart of `series` (step, value) to `path`.
 pub fn write_svg_chart(path: &Path, title: &str, series: &[(u64, f64)]) -> std::io::Result<()> {
+    write_svg_lines(path, title, &[(String::new(), series.to_vec())])
+}
+
+/// The colours of the lines, in turn (matplotlib's first ten).
+const LINE_COLOURS: [&str; 10] = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf",
+];
+
+/// An SVG line chart of several named series over steps, on shared axes, with a legend when
+/// they are named; written atomically (a temporary sibling renamed into place).
+pub fn write_svg_lines(
+    path: &Path,
+    title: &str,
+    lines: &[(String, Vec<(u64, f64)>)],
+) -> std::io::Result<()> {
     let (w, h, pad) = (640.0, 360.0, 48.0);
-    let xs: Vec<f64> = series.iter().map(|(s, _)| *s as f64).collect();
-    let ys: Vec<f64> = series.iter().map(|(_, v)| *v).collect();
+    let all = || lines.iter().flat_map(|(_, s)| s.iter());
     let (x0, x1) = (
-        xs.iter().copied().fold(f64::INFINITY, f64::min),
-        xs.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        all().map(|(s, _)| *s as f64).fold(f64::INFINITY, f64::min),
+        all()
+            .map(|(s, _)| *s as f64)
+            .fold(f64::NEG_INFINITY, f64::max),
     );
     let (mut y0, mut y1) = (
-        ys.iter().copied().fold(f64::INFINITY, f64::min),
-        ys.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        all().map(|(_, v)| *v).fold(f64::INFINITY, f64::min),
+        all().map(|(_, v)| *v).fold(f64::NEG_INFINITY, f64::max),
     );
     if y1.is_nan() || y0.is_nan() || y1 <= y0 {
         y0 -= 0.5;
@@ -396,11 +413,29 @@ pub fn write_svg_chart(path: &Path, title: &str, series: &[(u64, f64)]) -> std::
     }
     let sx = |x: f64| pad + (x - x0) / (x1 - x0).max(1.0) * (w - 2.0 * pad);
     let sy = |y: f64| h - pad - (y - y0) / (y1 - y0) * (h - 2.0 * pad);
-    let points: Vec<String> = xs
-        .iter()
-        .zip(&ys)
-        .map(|(x, y)| format!("{:.1},{:.1}", sx(*x), sy(*y)))
-        .collect();
+    let mut body = String::new();
+    for (i, (name, series)) in lines.iter().enumerate() {
+        let colour = LINE_COLOURS[i % LINE_COLOURS.len()];
+        let points: Vec<String> = series
+            .iter()
+            .map(|(x, y)| format!("{:.1},{:.1}", sx(*x as f64), sy(*y)))
+            .collect();
+        body.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            points.join(" ")
+        ));
+        if !name.is_empty() {
+            let y = pad + 4.0 + 16.0 * i as f64;
+            body.push_str(&format!(
+                "<line x1=\"{lx0}\" y1=\"{y}\" x2=\"{lx1}\" y2=\"{y}\" stroke=\"{colour}\" stroke-width=\"2\"/><text x=\"{tx}\" y=\"{ty}\">{}</text>\n",
+                xml_escape(name),
+                lx0 = w - pad - 150.0,
+                lx1 = w - pad - 130.0,
+                tx = w - pad - 125.0,
+                ty = y + 4.0,
+            ));
+        }
+    }
     let svg = format!(
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
@@ -412,20 +447,27 @@ pub fn write_svg_chart(path: &Path, title: &str, series: &[(u64, f64)]) -> std::
 <text x="{tx}" y="{yl2}" text-anchor="middle">step</text>
 <text x="{lx}" y="{yb}" text-anchor="end">{y0:.2}</text>
 <text x="{lx}" y="{pad}" text-anchor="end">{y1:.2}</text>
-<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{points}"/>
-</svg>
+{body}</svg>
 "##,
+        title = xml_escape(title),
         tx = w / 2.0,
         yb = h - pad,
         xr = w - pad,
         yl = h - pad + 16.0,
         yl2 = h - 8.0,
         lx = pad - 4.0,
-        points = points.join(" "),
     );
     let tmp = path.with_extension("svg.tmp");
     std::fs::write(&tmp, svg)?;
     std::fs::rename(&tmp, path)
+}
+
+/// `text` safe inside SVG text and attributes.
+fn xml_escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 #[cfg(test)]

@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 
 pub const LOCK_FILE: &str = ".oxrl.lock";
 
+/// The copy of the run's configuration a fresh run keeps (what `oxrl compare` reads).
+pub const CONFIG_COPY: &str = "config.toml";
+
 /// An output directory this process holds for the length of a run.
 #[derive(Debug)]
 pub struct RunDir {
@@ -22,6 +25,20 @@ pub struct RunDir {
 }
 
 impl RunDir {
+    /// Keeps a copy of the configuration file the run started from (`config.toml`, written
+    /// atomically), so the run directory says how it was made. Relative paths in it stay
+    /// relative to the original's directory.
+    pub fn keep_config(&self, source: &Path) -> Result<()> {
+        let Ok(text) = std::fs::read(source) else {
+            return Ok(());
+        };
+        let target = self.path.join(CONFIG_COPY);
+        let tmp = self.path.join(format!(".{CONFIG_COPY}.tmp"));
+        std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, &target))
+            .map_err(|e| TrainError::Invalid(format!("{}: {e}", target.display())))
+    }
+
     /// Creates and locks `path`. With `resume`, finds the newest complete checkpoint (none is a
     /// fresh start); without, fails if `path` already holds a run's checkpoints or metrics.
     pub fn open(path: &Path, resume: bool) -> Result<Self> {

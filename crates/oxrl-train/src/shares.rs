@@ -4,7 +4,7 @@
 
 use crate::update::{Result, TrainError};
 use oxrl_reward::RewardOutcome;
-use oxrl_rollout::{Completion, FinishReason, WeightVersion};
+use oxrl_rollout::{Completion, EpisodeTokens, FinishReason, WeightVersion};
 
 /// One rank's completions (per prompt, per sample) and their rewards, as bytes.
 pub fn encode(completions: &[Vec<Completion>], rewards: &RewardOutcome) -> Vec<u8> {
@@ -29,6 +29,22 @@ pub fn encode(completions: &[Vec<Completion>], rewards: &RewardOutcome) -> Vec<u
                 None => w.u8(0),
             }
             w.u64(c.weight_version.0);
+            match &c.episode {
+                Some(e) => {
+                    w.u8(1);
+                    match &e.prompt_ids {
+                        Some(p) => {
+                            w.u8(1);
+                            w.len(p.len());
+                            p.iter().for_each(|&t| w.u32(t));
+                        }
+                        None => w.u8(0),
+                    }
+                    w.len(e.generated.len());
+                    e.generated.iter().for_each(|&g| w.u8(u8::from(g)));
+                }
+                None => w.u8(0),
+            }
         }
     }
     w.f64s(&rewards.total);
@@ -73,12 +89,30 @@ pub fn decode(bytes: &[u8], rank: usize) -> Result<(Vec<Vec<Completion>>, Reward
                 0 => None,
                 _ => Some(r.str()?),
             };
+            let weight_version = WeightVersion(r.u64()?);
+            let episode = match r.u8()? {
+                0 => None,
+                _ => {
+                    let prompt_ids = match r.u8()? {
+                        0 => None,
+                        _ => Some((0..r.len()?).map(|_| r.u32()).collect::<Result<_>>()?),
+                    };
+                    let generated = (0..r.len()?)
+                        .map(|_| r.u8().map(|g| g != 0))
+                        .collect::<Result<_>>()?;
+                    Some(EpisodeTokens {
+                        prompt_ids,
+                        generated,
+                    })
+                }
+            };
             group.push(Completion {
                 response_ids,
                 logprobs,
                 finish_reason,
                 text,
-                weight_version: WeightVersion(r.u64()?),
+                weight_version,
+                episode,
             });
         }
         completions.push(group);
@@ -196,8 +230,20 @@ mod tests {
                 finish_reason: FinishReason::Length,
                 text: Some("x = 1 → ✓".into()),
                 weight_version: WeightVersion(7),
+                episode: None,
             }],
             vec![],
+            vec![Completion {
+                response_ids: vec![5, 6, 7],
+                logprobs: vec![-0.5, 0.0, -0.25],
+                finish_reason: FinishReason::Stop,
+                text: None,
+                weight_version: WeightVersion(8),
+                episode: Some(EpisodeTokens {
+                    prompt_ids: Some(vec![9, 10]),
+                    generated: vec![true, false, true],
+                }),
+            }],
         ];
         let rewards = RewardOutcome {
             total: vec![0.1 + 0.2, -0.0],

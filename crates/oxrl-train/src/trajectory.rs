@@ -32,6 +32,10 @@ pub struct Trajectory {
     /// [`attach_images`] for a file.
     #[serde(skip)]
     pub pixels: Vec<Arc<ProcessedImage>>,
+    /// Per response token, whether it enters the loss: `false` for the observation tokens an
+    /// environment wrote into a multi-turn episode. Empty: every token does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loss_mask: Vec<bool>,
 }
 
 /// Loads and processes the images of trajectories read from `path` for a policy that takes them,

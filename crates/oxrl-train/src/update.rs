@@ -101,6 +101,9 @@ pub struct OldPolicy {
     pub rollout_logprob_diff: Option<f64>,
     /// Rollout correction's weights and rejection for these trajectories, when it is on.
     pub correction: Option<Correction>,
+    /// Per trajectory and response token, whether it enters the loss: an environment's
+    /// observation tokens and the tokens rollout correction rejects do not. `None`: all do.
+    pub keep: Option<Vec<Vec<bool>>>,
 }
 
 pub struct PolicyTrainer {
@@ -245,12 +248,21 @@ pub fn check_weight_versions(
     Ok(())
 }
 
-/// Mean |rollout − recomputed| log-prob over the tokens that have both.
+/// Mean |rollout − recomputed| log-prob over the tokens that have both (the policy's own: an
+/// environment's tokens have no engine log-prob).
 pub fn rollout_logprob_diff(trajs: &[Trajectory], recomputed: &[Vec<f32>]) -> Option<f64> {
     let pairs: Vec<(f32, f32)> = trajs
         .iter()
         .zip(recomputed)
-        .flat_map(|(t, o)| t.rollout_logprobs.iter().copied().zip(o.iter().copied()))
+        .flat_map(|(t, o)| {
+            t.rollout_logprobs
+                .iter()
+                .copied()
+                .zip(o.iter().copied())
+                .enumerate()
+                .filter(|(k, _)| t.loss_mask.get(*k).copied().unwrap_or(true))
+                .map(|(_, pair)| pair)
+        })
         .collect();
     (!pairs.is_empty())
         .then(|| pairs.iter().map(|(a, b)| (a - b).abs() as f64).sum::<f64>() / pairs.len() as f64)
@@ -485,6 +497,7 @@ impl PolicyTrainer {
                     logprobs: old,
                     entropy: Some(entropy),
                     correction: None,
+                    keep: None,
                 })
             }
         }
@@ -533,7 +546,7 @@ impl PolicyTrainer {
             for batch in order.chunks(mini) {
                 let mut acc: Vec<Option<Tensor>> = vec![None; self.vars.len()];
                 let lsf = self.algorithm.loss_scale_factor;
-                let totals = match old.correction.as_ref().and_then(|c| c.keep.as_ref()) {
+                let totals = match old.keep.as_ref() {
                     Some(keep) => BatchTotals::kept(
                         &batch.iter().map(|&i| &keep[i][..]).collect::<Vec<_>>(),
                         lsf,
@@ -655,8 +668,9 @@ impl PolicyTrainer {
                 Tensor::from_vec(v, n, &dev)
             })
             .transpose()?;
-        let keep: Option<Vec<bool>> = correction
-            .and_then(|c| c.keep.as_ref())
+        let keep: Option<Vec<bool>> = old
+            .keep
+            .as_ref()
             .map(|k| micro.iter().flat_map(|&i| k[i].iter().copied()).collect());
         let (loss, metrics) = micro_batch_loss(
             algo,
@@ -910,6 +924,7 @@ mod tests {
                 weight_version: v.map(WeightVersion),
                 images: Vec::new(),
                 pixels: Vec::new(),
+                loss_mask: Vec::new(),
             })
             .collect()
     }

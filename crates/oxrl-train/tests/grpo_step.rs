@@ -688,3 +688,63 @@ fn kl_in_reward_penalises_each_token_instead_of_the_loss() {
         "β",
     );
 }
+
+/// A multi-turn episode's environment tokens (`loss_mask` false) leave the loss: pg_loss is the
+/// token mean over the policy's own tokens only. The token-level estimators refuse episodes.
+#[test]
+fn environment_tokens_stay_out_of_the_loss() {
+    let mut trainer = trainer_without_kl();
+    let mut trajs = read_trajectories(&fixture("grpo-step/rollouts.jsonl")).unwrap();
+    for t in &mut trajs {
+        t.loss_mask = (0..t.response_ids.len()).map(|k| k % 3 != 1).collect();
+    }
+    let learned = learn(&mut trainer, &trajs, &mut PhaseTimes::default()).unwrap();
+    let (mut sum, mut n) = (0.0, 0.0);
+    for ((ratios, adv), t) in learned
+        .report
+        .ratios
+        .iter()
+        .zip(&learned.advantages)
+        .zip(&trajs)
+    {
+        for ((&rho, &a), &kept) in ratios.iter().zip(adv).zip(&t.loss_mask) {
+            if kept {
+                let rho = rho as f64;
+                sum += -(rho * a).min(rho.clamp(1.0 - 0.2, 1.0 + 0.28) * a);
+                n += 1.0;
+            }
+        }
+    }
+    rel_close(
+        learned.report.metrics["pg_loss"],
+        sum / n,
+        1e-5,
+        1e-7,
+        "pg_loss",
+    );
+    let mut trainer = trainer_without_kl();
+    trainer.algorithm.advantage.estimator = oxrl_algo::AdvantageEstimator::ReinforcePlusPlus;
+    let e = learn(&mut trainer, &trajs, &mut PhaseTimes::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("multi-turn episode") && e.contains("reinforce_plus_plus"),
+        "{e}"
+    );
+    trajs[0].loss_mask.pop();
+    let e = learn(
+        &mut trainer_without_kl(),
+        &trajs,
+        &mut PhaseTimes::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("loss_mask has"), "{e}");
+}
+
+fn trainer_without_kl() -> PolicyTrainer {
+    let mut trainer = trainer(DType::F32, 4);
+    trainer.algorithm.kl_coef = 0.0;
+    trainer.reference = None;
+    trainer
+}

@@ -403,6 +403,7 @@ fn random_reward_trajectories(
                     .get(p)
                     .map(|im| im.iter().map(|i| i.pixels.clone()).collect())
                     .unwrap_or_default(),
+                loss_mask: Vec::new(),
             });
         }
     }

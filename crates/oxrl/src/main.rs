@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_serve;
+mod compare;
 mod device_memory;
 mod dist_check;
 mod export;
@@ -64,6 +65,9 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Write a plain Hugging Face checkpoint: a LoRA adapter merged into its base model.
     Export(export::ExportArgs),
+    /// A leaderboard of training runs (reward, validation, throughput, wall time, config
+    /// differences) and a chart overlaying their reward curves.
+    Compare(compare::CompareArgs),
     /// Speed benchmarks on random-weight models.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -129,6 +133,7 @@ fn main() -> ExitCode {
         Command::Config(args) => done(train::config(args)),
         Command::Plan(args) => done(plan::run(args)),
         Command::Export(args) => done(export::run(args)),
+        Command::Compare(args) => done(compare::run(args)),
         Command::Bench(cmd) => done(bench::run(cmd)),
         Command::DistCheck(args) => done(dist_check::run(args)),
     };

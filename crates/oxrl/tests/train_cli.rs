@@ -451,3 +451,193 @@ fn dapo_dynamic_sampling_and_overlong_shaping_run() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A remote environment over real HTTP (a Python stdlib server): every trajectory is an
+/// episode of reset, the policy's turns and the server's answers. The server's observation
+/// tokens are in the saved rollouts with a loss mask that keeps them out of the update, the
+/// episode's reward is the server's, and `reward/turns` counts the policy's turns.
+#[test]
+fn an_http_environment_runs_multi_turn_episodes() {
+    let dir = temp_dir("http-env");
+    let server = dir.join("env.py");
+    std::fs::write(
+        &server,
+        r#"
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Env(BaseHTTPRequestHandler):
+    turns = {}
+    def log_message(self, *a):
+        pass
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/reset":
+            episode = len(Env.turns)
+            Env.turns[episode] = 0
+            answer = {"episode_id": episode, "observation": None}
+        else:
+            episode = body["episode_id"]
+            Env.turns[episode] += 1
+            # Two turns per episode; the reward is 0.25 per turn.
+            done = Env.turns[episode] >= 2
+            answer = {"observation": None if done else "again", "reward": 0.25, "done": done}
+        out = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Env)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"#,
+    )
+    .unwrap();
+    let mut child = Command::new(oxrl_fixtures::peer_python())
+        .arg(&server)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut port = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+        &mut port,
+    )
+    .unwrap();
+    let config = oxrl_fixtures::demo_config(
+        "arithmetic",
+        &dir.join("env.toml"),
+        &[
+            ("batch_size = 32", "batch_size = 2"),
+            ("max_steps = 200", "max_steps = 2"),
+            ("max_new_tokens = 4", "max_new_tokens = 8"),
+            (
+                "[[reward.functions]]\ntype = \"math_answer\"\nname = \"correct\"\n",
+                &format!(
+                    "[environment]\ntype = \"http\"\nurl = \"http://127.0.0.1:{}\"\nmax_turns = 3\n",
+                    port.trim()
+                ),
+            ),
+        ],
+    );
+    let out = dir.join("out");
+    let r = oxrl(&[
+        "train",
+        "--config",
+        s(&config),
+        "--output-dir",
+        s(&out),
+        "--save-rollouts",
+    ]);
+    let _ = child.kill();
+    let _ = child.wait();
+    ok(&r);
+    let lines: Vec<Value> = oxrl_fixtures::jsonl(&out.join("metrics.jsonl"))
+        .into_iter()
+        .filter(|m| m.get("reward_mean").is_some())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for m in &lines {
+        // Every episode earns 0.25 per policy turn: 2 turns, unless a first turn ran out of
+        // tokens (which ends its episode).
+        let (reward, turns) = (
+            m["reward_mean"].as_f64().unwrap(),
+            m["reward/turns"].as_f64().unwrap(),
+        );
+        assert!((reward - 0.25 * turns).abs() < 1e-12, "{m}");
+        assert!(turns > 1.5, "{m}");
+        assert_eq!(m["reward_failures/environment"], 0.0);
+    }
+    let rollouts = std::fs::read_dir(out.join("rollouts"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let trajs = oxrl_train::read_trajectories(&rollouts).unwrap();
+    assert_eq!(trajs.len(), 16);
+    let mut observed = 0;
+    for t in &trajs {
+        assert_eq!(t.loss_mask.len(), t.response_ids.len());
+        assert!(t.loss_mask[0], "the response starts with the policy's turn");
+        let observation: String = t
+            .response_ids
+            .iter()
+            .zip(&t.loss_mask)
+            .filter(|(&id, &m)| !m && id < 256)
+            .map(|(&id, _)| id as u8 as char)
+            .collect();
+        if !observation.is_empty() {
+            assert!(
+                observation.contains("<tool_response>\nagain\n</tool_response>"),
+                "{observation:?}"
+            );
+            observed += 1;
+        }
+    }
+    assert!(
+        observed >= 12,
+        "{observed} of 16 episodes saw the server's observation"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `oxrl compare`: two real runs that differ in their learning rate make a leaderboard (each
+/// run's reward, validation, throughput and wall time), list `trainer.lr` among the
+/// configuration differences (from the `config.toml` each run keeps), and chart both curves.
+#[test]
+fn compare_ranks_runs_and_shows_their_differences() {
+    let dir = temp_dir("compare");
+    let mut runs = Vec::new();
+    for lr in ["1e-3", "1e-4"] {
+        let config = oxrl_fixtures::demo_config(
+            "arithmetic",
+            &dir.join(format!("lr-{lr}.toml")),
+            &[
+                ("batch_size = 32", "batch_size = 4"),
+                ("max_steps = 200", "max_steps = 3"),
+                ("lr = 1e-3", &format!("lr = {lr}")),
+            ],
+        );
+        let out = dir.join(format!("run-{lr}"));
+        ok(&oxrl(&[
+            "train",
+            "--config",
+            s(&config),
+            "--output-dir",
+            s(&out),
+        ]));
+        assert!(out.join("config.toml").exists());
+        runs.push(out);
+    }
+    let chart = dir.join("compare.svg");
+    let r = oxrl(&["compare", s(&runs[0]), s(&runs[1]), "--chart", s(&chart)]);
+    ok(&r);
+    let table = String::from_utf8_lossy(&r.stdout);
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("rank") && lines[0].contains("reward_mean (last 10)"),
+        "{table}"
+    );
+    assert!(
+        lines[1].starts_with("1 ") && lines[2].starts_with("2 "),
+        "{table}"
+    );
+    for run in &runs {
+        assert!(table.contains(s(run)), "{table}");
+    }
+    let lr = lines
+        .iter()
+        .find(|l| l.starts_with("trainer.lr"))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(lr.contains("0.001") && lr.contains("0.0001"), "{lr}");
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert_eq!(svg.matches("<polyline").count(), 2);
+    let r = oxrl(&["compare", s(&dir)]);
+    assert!(!r.status.success());
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert!(e.contains("no metrics.jsonl") && e.contains(s(&dir)), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

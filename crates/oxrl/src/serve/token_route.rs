@@ -281,6 +281,7 @@ mod tests {
             finish_reason: FinishReason::Length,
             text: None,
             weight_version: WeightVersion(2),
+            episode: None,
         };
         let spans = [
             VersionSpan {
