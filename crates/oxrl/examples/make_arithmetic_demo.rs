@@ -19,10 +19,7 @@ use std::path::PathBuf;
 
 mod common;
 
-use common::{tokenizer_json, warm_up, write};
-
-const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-const CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+use common::{warm_up, write, write_tokenizer_files, TEXT_CHAT_TEMPLATE, TEXT_SPECIALS};
 
 fn main() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/arithmetic");
@@ -40,20 +37,7 @@ fn main() {
     });
     let model = Qwen3::random(config, 0, DType::F32, &HOST).expect("random init");
     let side = std::env::temp_dir().join("oxrl-arithmetic-tokenizer");
-    write(
-        &side.join("tokenizer.json"),
-        &tokenizer_json(&SPECIALS).to_string(),
-    );
-    write(
-        &side.join("tokenizer_config.json"),
-        &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": null,
-                "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"})
-        .to_string(),
-    );
-    write(
-        &side.join("generation_config.json"),
-        &json!({"eos_token_id": 258, "pad_token_id": 256}).to_string(),
-    );
+    write_tokenizer_files(&side, &TEXT_SPECIALS, TEXT_CHAT_TEMPLATE);
     model
         .save(&init, Some(&side))
         .expect("save the initial policy");

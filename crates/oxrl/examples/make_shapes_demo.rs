@@ -16,7 +16,7 @@
 mod common;
 
 use candle_core::DType;
-use common::{tokenizer_json, warm_up, write};
+use common::{warm_up, write, write_tokenizer_files};
 use oxrl_models::{Qwen3, HOST};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -88,20 +88,7 @@ fn main() {
     });
     let model = Qwen3::random(config, 0, DType::F32, &HOST).expect("random init");
     let side = std::env::temp_dir().join("oxrl-shapes-tokenizer");
-    write(
-        &side.join("tokenizer.json"),
-        &tokenizer_json(&SPECIALS).to_string(),
-    );
-    write(
-        &side.join("tokenizer_config.json"),
-        &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": null,
-                "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"})
-        .to_string(),
-    );
-    write(
-        &side.join("generation_config.json"),
-        &json!({"eos_token_id": 258, "pad_token_id": 256}).to_string(),
-    );
+    write_tokenizer_files(&side, &SPECIALS, CHAT_TEMPLATE);
     // 64×64 pictures stay 64×64: a 4×4 patch grid, 4 image tokens after the 2×2 merge.
     write(
         &side.join("preprocessor_config.json"),

@@ -50,6 +50,35 @@ pub fn tokenizer_json(specials: &[&str]) -> Value {
     })
 }
 
+/// The ChatML template of the text demos (no system turn). (Each demo compiles this module
+/// on its own; the vision demo has its own template and specials.)
+#[allow(dead_code)]
+pub const TEXT_CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// The special tokens of the text demos, after the 256 byte tokens (ids 256, 257, 258).
+#[allow(dead_code)]
+pub const TEXT_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// Writes a demo policy's tokenizer files into `side`: the byte-level `tokenizer.json` with
+/// `specials`, `tokenizer_config.json` with `chat_template` (eos `<|im_end|>` = 258, pad
+/// `<|endoftext|>` = 256), and `generation_config.json`.
+pub fn write_tokenizer_files(side: &Path, specials: &[&str], chat_template: &str) {
+    write(
+        &side.join("tokenizer.json"),
+        &tokenizer_json(specials).to_string(),
+    );
+    write(
+        &side.join("tokenizer_config.json"),
+        &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": null,
+                "chat_template": chat_template, "tokenizer_class": "PreTrainedTokenizerFast"})
+        .to_string(),
+    );
+    write(
+        &side.join("generation_config.json"),
+        &json!({"eos_token_id": 258, "pad_token_id": 256}).to_string(),
+    );
+}
+
 /// Writes `text` to `path`, creating its directory.
 pub fn write(path: &Path, text: &str) {
     std::fs::create_dir_all(path.parent().expect("a parent")).expect("create dir");
