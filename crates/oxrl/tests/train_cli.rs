@@ -96,19 +96,23 @@ fn replay_matches_the_grpo_step_fixture() {
 }
 
 fn demo_config(dir: &Path, batch: usize, steps: usize) -> PathBuf {
+    demo_with(&dir.join("grpo.toml"), batch, steps, &[])
+}
+
+/// The arithmetic demo's config at `path` with `batch` prompts per step, `steps` steps, a
+/// checkpoint every 2 steps, and `edits` on top.
+fn demo_with(path: &Path, batch: usize, steps: usize, edits: &[(&str, &str)]) -> PathBuf {
     let (batch, steps) = (
         format!("batch_size = {batch}"),
         format!("max_steps = {steps}"),
     );
-    oxrl_fixtures::demo_config(
-        "arithmetic",
-        &dir.join("grpo.toml"),
-        &[
-            ("batch_size = 32", &batch),
-            ("max_steps = 200", &steps),
-            ("save_every = 20", "save_every = 2"),
-        ],
-    )
+    let mut all = vec![
+        ("batch_size = 32", batch.as_str()),
+        ("max_steps = 200", steps.as_str()),
+        ("save_every = 20", "save_every = 2"),
+    ];
+    all.extend_from_slice(edits);
+    oxrl_fixtures::demo_config("arithmetic", path, &all)
 }
 
 /// Run 4 steps, or run 2, stop, and resume for 2 more: identical weights and metrics.
@@ -174,13 +178,11 @@ fn resume_continues_exactly_where_the_run_stopped() {
 #[test]
 fn ppo_with_a_critic_resumes_exactly() {
     let dir = temp_dir("ppo");
-    let config = oxrl_fixtures::demo_config(
-        "arithmetic",
+    let config = demo_with(
         &dir.join("ppo.toml"),
+        4,
+        4,
         &[
-            ("batch_size = 32", "batch_size = 4"),
-            ("max_steps = 200", "max_steps = 4"),
-            ("save_every = 20", "save_every = 2"),
             ("advantage = \"grpo\"", "advantage = \"gae\"\nlam = 0.95"),
             (
                 "kl_coef = 0.0",
@@ -379,12 +381,11 @@ fn device_flag_reaches_the_run_and_a_cpu_build_refuses_a_gpu() {
 #[test]
 fn dapo_dynamic_sampling_and_overlong_shaping_run() {
     let dir = temp_dir("dapo");
-    let config = oxrl_fixtures::demo_config(
-        "arithmetic",
+    let config = demo_with(
         &dir.join("grpo.toml"),
+        4,
+        3,
         &[
-            ("batch_size = 32", "batch_size = 4"),
-            ("max_steps = 200", "max_steps = 3"),
             ("n_samples_per_prompt = 8", "n_samples_per_prompt = 2"),
             ("max_new_tokens = 4", "max_new_tokens = 2"),
             (
@@ -506,13 +507,11 @@ server.serve_forever()
         &mut port,
     )
     .unwrap();
-    let config = oxrl_fixtures::demo_config(
-        "arithmetic",
+    let config = demo_with(
         &dir.join("env.toml"),
-        &[
-            ("batch_size = 32", "batch_size = 2"),
-            ("max_steps = 200", "max_steps = 2"),
-            ("max_new_tokens = 4", "max_new_tokens = 8"),
+        2,
+        2,
+        &[            ("max_new_tokens = 4", "max_new_tokens = 8"),
             (
                 "[[reward.functions]]\ntype = \"math_answer\"\nname = \"correct\"\n",
                 &format!(
@@ -592,14 +591,11 @@ fn compare_ranks_runs_and_shows_their_differences() {
     let dir = temp_dir("compare");
     let mut runs = Vec::new();
     for lr in ["1e-3", "1e-4"] {
-        let config = oxrl_fixtures::demo_config(
-            "arithmetic",
+        let config = demo_with(
             &dir.join(format!("lr-{lr}.toml")),
-            &[
-                ("batch_size = 32", "batch_size = 4"),
-                ("max_steps = 200", "max_steps = 3"),
-                ("lr = 1e-3", &format!("lr = {lr}")),
-            ],
+            4,
+            3,
+            &[("lr = 1e-3", &format!("lr = {lr}"))],
         );
         let out = dir.join(format!("run-{lr}"));
         ok(&oxrl(&[
