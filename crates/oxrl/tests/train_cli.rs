@@ -637,3 +637,51 @@ fn compare_ranks_runs_and_shows_their_differences() {
     assert!(e.contains("no metrics.jsonl") && e.contains(s(&dir)), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The tool-use demo learns: a tiny policy that calls the calculator in about half of its
+/// episodes at first calls it more, and its reward rises (measured over 8 steps on the 2-core
+/// machine: reward 0.41 → 0.61 and policy turns per episode 1.53 → 1.79, first 3 steps against
+/// the last 3; the bounds below are half of that).
+#[test]
+fn the_calculator_demo_learns_to_call_its_tool() {
+    let dir = temp_dir("calculator");
+    let config = oxrl_fixtures::demo_config(
+        "calculator",
+        &dir.join("grpo.toml"),
+        &[
+            ("max_steps = 30", "max_steps = 8"),
+            ("val_files = \"data/val.jsonl\"\n", ""),
+        ],
+    );
+    let out = dir.join("out");
+    ok(&oxrl(&[
+        "train",
+        "--config",
+        s(&config),
+        "--output-dir",
+        s(&out),
+    ]));
+    let steps: Vec<Value> = oxrl_fixtures::jsonl(&out.join("metrics.jsonl"))
+        .into_iter()
+        .filter(|m| m.get("reward_mean").is_some())
+        .collect();
+    assert_eq!(steps.len(), 8);
+    let mean = |key: &str, range: std::ops::Range<usize>| {
+        range
+            .clone()
+            .map(|i| steps[i][key].as_f64().unwrap())
+            .sum::<f64>()
+            / range.len() as f64
+    };
+    let (reward0, reward1) = (mean("reward_mean", 0..3), mean("reward_mean", 5..8));
+    let (turns0, turns1) = (mean("reward/turns", 0..3), mean("reward/turns", 5..8));
+    assert!(
+        reward1 > reward0 + 0.1,
+        "reward {reward0:.3} → {reward1:.3} over 8 steps"
+    );
+    assert!(
+        turns1 > turns0 + 0.13,
+        "turns per episode {turns0:.3} → {turns1:.3}: the policy should call the tool more"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
