@@ -41,7 +41,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn dtype(name: &str) -> DType {
+pub(crate) fn dtype(name: &str) -> DType {
     match name {
         "bf16" => DType::BF16,
         "f16" => DType::F16,
@@ -151,7 +151,7 @@ pub(crate) fn open_device(cfg: &RunConfig) -> Result<Device> {
 /// The run's reward functions, built before the policy loads: a code reward finds the sandbox's
 /// isolation and its interpreter here and a reward model is loaded, so a machine that cannot
 /// run them stops the run at once.
-fn reward_set(cfg: &RunConfig, device: &Device) -> Result<RewardSet> {
+pub(crate) fn reward_set(cfg: &RunConfig, device: &Device) -> Result<RewardSet> {
     if cfg.reward.functions.is_empty() && cfg.environment.is_none() {
         return Err(TrainError::Invalid(format!(
             "{}: a sampling run needs at least one [[reward.functions]] table",
@@ -196,7 +196,7 @@ fn reward_set(cfg: &RunConfig, device: &Device) -> Result<RewardSet> {
 
 /// The run's environment factory (`[environment]`), built before the policy loads so a
 /// machine without the sandbox stops the run at once.
-fn environments(cfg: &RunConfig) -> Result<Option<Box<dyn EnvironmentFactory>>> {
+pub(crate) fn environments(cfg: &RunConfig) -> Result<Option<Box<dyn EnvironmentFactory>>> {
     let Some(env) = &cfg.environment else {
         return Ok(None);
     };
@@ -213,7 +213,7 @@ fn environments(cfg: &RunConfig) -> Result<Option<Box<dyn EnvironmentFactory>>> 
 
 /// Every row has what the environment reads (the tools' ground truth), and no images: the
 /// episodes are text-only for now.
-fn check_environment_rows(cfg: &RunConfig, rows: &[PromptRow]) -> Result<()> {
+pub(crate) fn check_environment_rows(cfg: &RunConfig, rows: &[PromptRow]) -> Result<()> {
     let Some(env) = &cfg.environment else {
         return Ok(());
     };
@@ -238,7 +238,7 @@ fn check_environment_rows(cfg: &RunConfig, rows: &[PromptRow]) -> Result<()> {
 
 /// Every row has the columns the run's reward functions read: a missing answer would
 /// otherwise score every response of its prompt 0, and the run would train on noise.
-fn check_reward_columns(cfg: &RunConfig, rows: &[PromptRow]) -> Result<()> {
+pub(crate) fn check_reward_columns(cfg: &RunConfig, rows: &[PromptRow]) -> Result<()> {
     for f in &cfg.reward.functions {
         let Some((column, key)) = f.required_column() else {
             continue;
@@ -843,21 +843,8 @@ impl GrpoRun {
         prompts: &[PromptRow],
         completions: &[Vec<Completion>],
     ) -> Result<RewardOutcome> {
-        let mut inputs = Vec::new();
-        for (p, samples) in rows.iter().map(|&i| &prompts[i]).zip(completions) {
-            for c in samples {
-                let response = match &c.text {
-                    Some(t) => t.clone(),
-                    None => self.tokenizer.decode(&c.response_ids, true)?,
-                };
-                inputs.push(RewardInput {
-                    prompt: p.prompt_text.clone(),
-                    response,
-                    row: p.row.clone(),
-                    response_tokens: c.response_ids.len(),
-                });
-            }
-        }
+        let asked: Vec<&PromptRow> = rows.iter().map(|&i| &prompts[i]).collect();
+        let inputs = reward_inputs(&asked, completions, &self.tokenizer)?;
         Ok(self.rewards.score(&inputs))
     }
 
@@ -965,8 +952,33 @@ fn agree_on_checkpoint(
     Ok(())
 }
 
+/// What the reward functions see of each completion of prompt `rows[i]` (`completions[i]`),
+/// prompt-major: the rendered prompt, the response's text, the row, the response's length.
+pub(crate) fn reward_inputs(
+    rows: &[&PromptRow],
+    completions: &[Vec<Completion>],
+    tokenizer: &Tokenizer,
+) -> Result<Vec<RewardInput>> {
+    let mut inputs = Vec::new();
+    for (p, samples) in rows.iter().zip(completions) {
+        for c in samples {
+            let response = match &c.text {
+                Some(t) => t.clone(),
+                None => tokenizer.decode(&c.response_ids, true)?,
+            };
+            inputs.push(RewardInput {
+                prompt: p.prompt_text.clone(),
+                response,
+                row: p.row.clone(),
+                response_tokens: c.response_ids.len(),
+            });
+        }
+    }
+    Ok(inputs)
+}
+
 /// The engine's view of prompts: their token ids, and their images with where they came from.
-fn engine_prompts(asked: &[&PromptRow]) -> (Vec<Vec<u32>>, Vec<Vec<PromptImage>>) {
+pub(crate) fn engine_prompts(asked: &[&PromptRow]) -> (Vec<Vec<u32>>, Vec<Vec<PromptImage>>) {
     asked
         .iter()
         .map(|p| {

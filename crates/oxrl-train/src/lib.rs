@@ -9,6 +9,7 @@ pub mod critic;
 pub mod data;
 pub mod episodes;
 pub mod error;
+pub mod eval;
 pub mod grpo;
 pub mod interrupt;
 pub mod loss;

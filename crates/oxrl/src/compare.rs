@@ -2,6 +2,7 @@
 //! final and best reward, validation scores, throughput and wall time, and the configuration
 //! keys that differ between them — plus one SVG chart overlaying their reward curves.
 
+use crate::output::table;
 use anyhow::{bail, Context, Result};
 use oxrl_train::observe::write_svg_lines;
 use oxrl_train::run_dir::CONFIG_COPY;
@@ -126,23 +127,6 @@ fn flatten(prefix: &str, value: &toml::Value, out: &mut BTreeMap<String, String>
 
 fn cell(v: Option<f64>, digits: usize) -> String {
     v.map_or("-".into(), |v| format!("{v:.digits$}"))
-}
-
-/// Columns padded to their widest cell.
-fn table(rows: &[Vec<String>]) -> String {
-    let widths: Vec<usize> = (0..rows[0].len())
-        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
-        .collect();
-    rows.iter()
-        .map(|r| {
-            let cells: Vec<String> = r
-                .iter()
-                .zip(&widths)
-                .map(|(c, w)| format!("{c:<w$}"))
-                .collect();
-            format!("{}\n", cells.join("  ").trim_end())
-        })
-        .collect()
 }
 
 pub fn run(args: CompareArgs) -> Result<()> {

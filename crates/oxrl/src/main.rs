@@ -5,6 +5,7 @@ mod bench_serve;
 mod compare;
 mod device_memory;
 mod dist_check;
+mod eval;
 mod export;
 mod generate;
 mod input;
@@ -65,6 +66,9 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Write a plain Hugging Face checkpoint: a LoRA adapter merged into its base model.
     Export(export::ExportArgs),
+    /// Checkpoints on a dataset, scored as a run configuration scores training: mean reward,
+    /// pass@k, every response.
+    Eval(eval::EvalArgs),
     /// A leaderboard of training runs (reward, validation, throughput, wall time, config
     /// differences) and a chart overlaying their reward curves.
     Compare(compare::CompareArgs),
@@ -134,6 +138,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => done(plan::run(args)),
         Command::Export(args) => done(export::run(args)),
         Command::Compare(args) => done(compare::run(args)),
+        Command::Eval(args) => done(eval::run(args)),
         Command::Bench(cmd) => done(bench::run(cmd)),
         Command::DistCheck(args) => done(dist_check::run(args)),
     };

@@ -25,6 +25,26 @@ macro_rules! say {
 }
 pub(crate) use say;
 
+/// Rows as text columns, each padded to its widest cell (the first row is the header).
+pub fn table(rows: &[Vec<String>]) -> String {
+    let Some(first) = rows.first() else {
+        return String::new();
+    };
+    let widths: Vec<usize> = (0..first.len())
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    rows.iter()
+        .map(|r| {
+            let cells: Vec<String> = r
+                .iter()
+                .zip(&widths)
+                .map(|(c, w)| format!("{c:<w$}"))
+                .collect();
+            format!("{}\n", cells.join("  ").trim_end())
+        })
+        .collect()
+}
+
 /// True when `error` comes from writing to a pipe whose reader has gone.
 pub fn is_broken_pipe(error: &anyhow::Error) -> bool {
     error.chain().any(|cause| {

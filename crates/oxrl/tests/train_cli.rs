@@ -685,3 +685,78 @@ fn the_calculator_demo_learns_to_call_its_tool() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `oxrl eval`: greedy decoding scored with the run's reward gives the run's own validation
+/// score; sampling `n = 4` gives pass@1 ≤ pass@2 ≤ pass@4 with pass@1 the mean reward (the
+/// reward is 0 or 1); every response lands in the JSONL, one line per model and sample.
+#[test]
+fn eval_scores_checkpoints_as_the_run_does() {
+    let dir = temp_dir("eval");
+    let config = demo_config(&dir, 4, 0);
+    let out = dir.join("run");
+    ok(&oxrl(&[
+        "train",
+        "--config",
+        s(&config),
+        "--output-dir",
+        s(&out),
+    ]));
+    let validation = oxrl_fixtures::jsonl(&out.join("metrics.jsonl"))[0]["val/reward_mean"]
+        .as_f64()
+        .unwrap();
+    let policy = repo().join("examples/arithmetic/policy");
+    let greedy = oxrl(&["eval", "--config", s(&config), "--model", s(&policy)]);
+    ok(&greedy);
+    let table = String::from_utf8_lossy(&greedy.stdout);
+    let row: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(row[1..3], ["100", "1"], "{table}");
+    assert_eq!(
+        row[3].parse::<f64>().unwrap(),
+        (validation * 1e4).round() / 1e4,
+        "{table}"
+    );
+    let responses = dir.join("responses.jsonl");
+    let sampled = oxrl(&[
+        "eval",
+        "--config",
+        s(&config),
+        "--model",
+        s(&policy),
+        "--model",
+        s(&policy),
+        "--n",
+        "4",
+        "--temperature",
+        "1",
+        "--output",
+        s(&responses),
+    ]);
+    ok(&sampled);
+    let table = String::from_utf8_lossy(&sampled.stdout);
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].contains("pass@1") && lines[0].contains("pass@4") && lines[0].contains("correct"),
+        "{table}"
+    );
+    let cells: Vec<f64> = lines[1]
+        .split_whitespace()
+        .skip(3)
+        .take(4)
+        .map(|c| c.parse().unwrap())
+        .collect();
+    let (reward, p1, p2, p4) = (cells[0], cells[1], cells[2], cells[3]);
+    assert!(
+        (reward - p1).abs() < 1e-4 && p1 <= p2 && p2 <= p4 && p4 > reward,
+        "{table}"
+    );
+    let scores = |l: &str| l.split_whitespace().take(8).collect::<Vec<_>>().join(" ");
+    assert_eq!(
+        scores(lines[1]),
+        scores(lines[2]),
+        "the same model, seeded alike"
+    );
+    let rows = oxrl_fixtures::jsonl(&responses);
+    assert_eq!(rows.len(), 2 * 100 * 4);
+    assert!(rows[0]["scores"]["correct"].is_number() && rows[0]["response"].is_string());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
