@@ -98,6 +98,8 @@ pub struct RunConfig {
     pub device: DeviceSpec,
     /// Weight versions a sampled trajectory may lag the trainer's.
     pub max_staleness: u64,
+    /// `[trainer] async = "one_step"`: sample the next batch while the trainer learns.
+    pub one_step_async: bool,
     /// Qwen3-VL: the vision tower's weights stay fixed.
     pub freeze_vision: bool,
     /// Recompute each decoder layer in the backward instead of keeping its activations.
@@ -497,6 +499,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         dtype: given.value("model.dtype"),
         device,
         max_staleness: given.value("trainer.max_staleness"),
+        one_step_async: given.value::<String>("trainer.async") == "one_step",
         freeze_vision: given.value("model.freeze_vision"),
         gradient_checkpointing: given.value("trainer.gradient_checkpointing"),
         zero_stage,

@@ -460,6 +460,7 @@ pub const KEYS: &[KeySpec] = table! {
     key("trainer", "eval_every", int(0), Value("0"), "validation every N steps (0: at the start and end only), when [data] val_files is set"),
     key("trainer", "save_every", int(0), Value("0"), "checkpoint every N steps (0 = only at the end)"),
     key("trainer", "zero_stage", Kind::Int { min: 0, max: 2 }, Value("2"), "data-parallel runs: 2 splits the optimizer state (f32 masters, AdamW moments) and the summed gradients across the ranks (ZeRO-2); 0 keeps a whole copy on every rank; 1 is not offered"),
+    key("trainer", "async", Kind::OneOf(|| vec![choice("off", "each step samples, then learns"), choice("one_step", "the next step's batch is sampled (with the weights before this step's update) while this step learns: one step off-policy; one process, no LoRA")]), Value("\"off\""), "overlap sampling with the update"),
     key("trainer", "max_staleness", int(0), Value("0"), "weight versions a sampled trajectory may lag the trainer's (0 = strictly on-policy: any older sample stops the run)"),
     key("trainer", "seed", int(0), Value("42"), "data order and sampling seed"),
     key("trainer", "output_dir", Kind::Str, Text("runs/<config name>"), "checkpoints, metrics.jsonl, reward.svg"),

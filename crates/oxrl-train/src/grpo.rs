@@ -7,12 +7,13 @@ use crate::config::RewardKind;
 use crate::config::{EnvironmentKind, RunConfig};
 use crate::critic::{Critic, CRITIC_DIR};
 use crate::data::{load_prompts, DataCursor, DataOrder, PromptRow};
-use crate::episodes::{run_episodes, EpisodeLimits};
 use crate::interrupt::Interrupt;
 use crate::note;
 use crate::observe::{write_svg_chart, Gauges, MetricsLog, PhaseTimes, Progress};
+use crate::one_step::{mean_staleness, Prefetched, WeightSnapshot};
 use crate::parallel::DataParallel;
 use crate::run_dir::RunDir;
+use crate::sampling::Sampling;
 use crate::state::{self, TrainerState};
 use crate::trajectory::Trajectory;
 use crate::update::{
@@ -20,7 +21,6 @@ use crate::update::{
 };
 use candle_core::{DType, Device};
 use oxrl_algo::advantage::frac_zero_std_groups;
-use oxrl_algo::dapo::{informative_groups, soft_overlong_penalty};
 use oxrl_algo::value_loss::explained_variance;
 use oxrl_algo::{
     estimate_advantages, AdvantageConfig, AdvantageEstimator, AdvantageInputs, TokenAdvantages,
@@ -32,10 +32,7 @@ use oxrl_reward::{
     build_rule, CodeReward, HttpReward, RewardFn, RewardInput, RewardModel, RewardOutcome,
     RewardSet, WeightedReward,
 };
-use oxrl_rollout::{
-    Completion, Engine, LocalEngine, PromptImage, SamplerConfig, SamplingParams, VllmEngine,
-    WeightVersion,
-};
+use oxrl_rollout::{Completion, Engine, LocalEngine, PromptImage, VllmEngine, WeightVersion};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -287,9 +284,13 @@ pub struct GrpoRun {
     save_rollouts: bool,
     /// Held for the run: the lock on the output directory (rank 0's).
     _run_dir: Option<RunDir>,
+    /// One-step off-policy with the local engine: the engine's own copy of the weights.
+    snapshot: Option<WeightSnapshot>,
+    /// One-step off-policy: the next step's batch, sampled during this step's update.
+    prefetched: Option<Prefetched>,
 }
 
-fn mean_std(xs: &[f64]) -> (f64, f64) {
+pub(crate) fn mean_std(xs: &[f64]) -> (f64, f64) {
     let n = xs.len().max(1) as f64;
     let m = xs.iter().sum::<f64>() / n;
     (
@@ -400,7 +401,33 @@ impl GrpoRun {
         };
         trainer.weight_version = WeightVersion(step);
         let eos = eos_token_ids(&model_dir, Some(&tokenizer))?;
+        if cfg.one_step_async {
+            if !trainer.parallel.is_single() || cfg.lora.is_some() {
+                return Err(TrainError::Invalid(format!(
+                    "{}: [trainer] async = \"one_step\" runs in one process without LoRA for now",
+                    cfg.source.display()
+                )));
+            }
+            // Every batch after the first is one version behind the trainer.
+            trainer.max_staleness = trainer.max_staleness.max(1);
+        }
+        let mut snapshot = None;
         let engine: Box<dyn Engine> = match &cfg.rollout.vllm {
+            None if cfg.one_step_async => {
+                let (copy, model) = WeightSnapshot::load(
+                    &policy_dir,
+                    dtype(&cfg.dtype),
+                    &device,
+                    cfg.freeze_vision,
+                    &trainer,
+                )?;
+                snapshot = Some(copy);
+                Box::new(LocalEngine::new(
+                    Arc::from(model),
+                    Some(tokenizer.clone()),
+                    eos,
+                ))
+            }
             None => Box::new(LocalEngine::new(
                 Arc::from(trainer.policy.detached()),
                 Some(tokenizer.clone()),
@@ -457,6 +484,8 @@ impl GrpoRun {
             gauges,
             save_rollouts,
             _run_dir: run_dir,
+            snapshot,
+            prefetched: None,
         };
         run.sync_engine()?;
         Ok(run)
@@ -465,6 +494,9 @@ impl GrpoRun {
     /// Puts the trainer's weights on the engine. Ranks sharing vLLM servers: rank 0 moves them,
     /// every rank waits until it has, then the others take the new version.
     fn sync_engine(&mut self) -> Result<()> {
+        if let Some(snapshot) = &self.snapshot {
+            snapshot.copy_from(&self.trainer)?;
+        }
         let version = self.trainer.weight_version;
         let policy = self.trainer.policy.as_ref();
         let shared = self.cfg.rollout.vllm.is_some() && !self.trainer.parallel.is_single();
@@ -505,7 +537,10 @@ impl GrpoRun {
                 interrupted = Some((interrupt.signal().unwrap_or(SIGTERM), saved));
                 break;
             }
-            let mut m = self.step_once()?;
+            let mut m = match self.cfg.one_step_async {
+                true => self.step_one_ahead(self.step + 1 < max_steps)?,
+                false => self.step_once()?,
+            };
             if (eval_every > 0 && self.step.is_multiple_of(eval_every)) || self.step == max_steps {
                 m.extend(self.validate()?);
             }
@@ -556,7 +591,10 @@ impl GrpoRun {
         let s = TrainerState {
             step: self.step,
             optimizer_step: self.trainer.optimizer_steps(),
-            data: self.order.cursor,
+            data: self
+                .prefetched
+                .as_ref()
+                .map_or(self.order.cursor, |p| p.cursor),
             seed: self.cfg.seed,
             optimizer_shards: None,
             critic_optimizer_step: None,
@@ -576,7 +614,7 @@ impl GrpoRun {
     pub fn step_once(&mut self) -> Result<BTreeMap<String, f64>> {
         let mut time = PhaseTimes::default();
         let step_start = Instant::now();
-        let (trajs, rewards, sampling) = self.sample(&mut time)?;
+        let (trajs, rewards, sampling) = self.sampling().sample(&mut time)?;
         let learned = learn(&mut self.trainer, &trajs, &mut time)?;
         self.step += 1;
         time.time("weight_sync", || self.sync_engine())?;
@@ -595,300 +633,123 @@ impl GrpoRun {
         Ok(m)
     }
 
-    /// The step's rewarded trajectories. With DAPO's dynamic sampling (`filter_groups`),
-    /// batches are sampled until `batch_size` groups whose rewards differ are gathered (or
-    /// `max_sample_batches` were drawn), and only those groups are kept; rewards carry the soft
-    /// overlong punishment when `overlong_buffer_len` is set. Also returns the sampling metrics.
-    fn sample(
-        &mut self,
-        time: &mut PhaseTimes,
-    ) -> Result<(Vec<Trajectory>, RewardOutcome, BTreeMap<String, f64>)> {
-        let dapo = self.cfg.dynamic_sampling.clone();
-        let batch_size = self.cfg.batch_size;
-        let mut kept: Vec<Trajectory> = Vec::new();
-        let mut outcome: Option<RewardOutcome> = None;
-        let mut batches: u64 = 0;
-        loop {
-            let rows = self.order.next_batch(batch_size);
-            let (completions, mut rewards) = self.sample_share(&rows, batches, time)?;
-            if dapo.overlong_buffer_len > 0 {
-                self.punish_overlong(&mut rewards, &completions);
-            }
-            let trajs = self.trajectories(&rows, &completions, &rewards.total, batches);
-            outcome = Some(match outcome.take() {
-                Some(mut o) => {
-                    o.extend(rewards);
-                    o
+    /// One step one ahead (`[trainer] async = "one_step"`): learns from the batch sampled
+    /// during the previous step's update (the first step samples its own), while the engine,
+    /// synced to the trainer's current weights, samples the next step's batch (`prefetch`).
+    fn step_one_ahead(&mut self, prefetch: bool) -> Result<BTreeMap<String, f64>> {
+        let step_start = Instant::now();
+        let ahead = match self.prefetched.take() {
+            Some(p) => p,
+            None => {
+                let cursor = self.order.cursor;
+                let mut time = PhaseTimes::default();
+                let (trajs, rewards, sampling) = self.sampling().sample(&mut time)?;
+                Prefetched {
+                    trajs,
+                    rewards,
+                    sampling,
+                    time,
+                    cursor,
                 }
-                None => rewards,
+            }
+        };
+        let mut time = ahead.time;
+        time.time("weight_sync", || self.sync_engine())?;
+        let staleness = mean_staleness(&ahead.trajs, self.trainer.weight_version.0);
+        let cursor = self.order.cursor;
+        let max_positions = self.trainer.policy.max_positions();
+        let one_process = DataParallel::default();
+        let Self {
+            cfg,
+            trainer,
+            engine,
+            tokenizer,
+            rewards,
+            environments,
+            prompts,
+            val,
+            order,
+            step,
+            ..
+        } = self;
+        let mut sampling = Sampling {
+            cfg,
+            engine: engine.as_mut(),
+            tokenizer,
+            rewards,
+            environments: environments.as_deref(),
+            prompts,
+            val,
+            order,
+            parallel: &one_process,
+            max_positions,
+            step: *step + 1,
+        };
+        let (mut learn_time, mut next_time) = (PhaseTimes::default(), PhaseTimes::default());
+        let trajs = &ahead.trajs;
+        let (learned, next) = std::thread::scope(|s| {
+            let update = s.spawn(|| learn(trainer, trajs, &mut learn_time));
+            let next = prefetch.then(|| sampling.sample(&mut next_time));
+            let learned = update
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (learned, next)
+        });
+        let learned = learned?;
+        time.absorb(learn_time);
+        if let Some(next) = next {
+            let (trajs, rewards, sampling) = next?;
+            self.prefetched = Some(Prefetched {
+                trajs,
+                rewards,
+                sampling,
+                time: next_time,
+                cursor,
             });
-            batches += 1;
-            if !dapo.filter_groups {
-                kept = trajs;
-                break;
-            }
-            let rewards: Vec<f64> = trajs.iter().map(|t| t.reward).collect();
-            let uids: Vec<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
-            let informative = informative_groups(&rewards, &uids);
-            let last = trajs.clone();
-            kept.extend(
-                trajs
-                    .into_iter()
-                    .zip(informative)
-                    .filter_map(|(t, keep)| keep.then_some(t)),
-            );
-            let groups = distinct_groups(&kept);
-            if groups >= batch_size || batches >= dapo.max_sample_batches as u64 {
-                if kept.is_empty() {
-                    // No group carried a signal: train on the last batch as it is.
-                    kept = last;
-                }
-                let cap = self.cfg.rollout.n_samples_per_prompt * batch_size;
-                kept.truncate(cap.max(1));
-                break;
-            }
         }
-        let mut m = BTreeMap::new();
-        if dapo.filter_groups {
-            m.insert("num_gen_batches".into(), batches as f64);
-            m.insert(
-                "dynamic_sampling_groups".into(),
-                distinct_groups(&kept) as f64,
-            );
+        self.step += 1;
+        if self.save_rollouts {
+            self.write_rollouts(&ahead.trajs)?;
         }
-        let outcome = outcome.ok_or_else(|| TrainError::Invalid("no batch was sampled".into()))?;
-        Ok((kept, outcome, m))
+        let mut m = step_metrics(
+            &ahead.rewards,
+            &ahead.trajs,
+            learned,
+            time,
+            step_start.elapsed().as_secs_f64(),
+        );
+        m.insert("async/staleness".into(), staleness);
+        m.extend(self.engine.take_metrics());
+        m.extend(ahead.sampling);
+        Ok(m)
     }
 
-    /// Samples and rewards this rank's share of `rows` (all of them in one process), then
-    /// gathers every rank's: each rank returns the completions and rewards of all `rows`, in
-    /// order, as one process sampling them all would have drawn them.
-    fn sample_share(
-        &mut self,
-        rows: &[usize],
-        batch: u64,
-        time: &mut PhaseTimes,
-    ) -> Result<(Vec<Vec<Completion>>, RewardOutcome)> {
-        let share = self.trainer.parallel.share(rows.len());
-        let first = share.start as u64;
-        let mine = &rows[share];
-        let (completions, rewards) = match self.environments.is_some() {
-            true => {
-                let params = SamplingParams {
-                    first_prompt: first,
-                    ..self.sampling_params(batch)
-                };
-                time.time("rollout", || self.episodes(mine, &params, false))?
-            }
-            false => {
-                let completions = time.time("rollout", || self.rollout(mine, batch, first))?;
-                let rewards =
-                    time.time("reward", || self.score(mine, &self.prompts, &completions))?;
-                (completions, rewards)
-            }
-        };
-        if self.trainer.parallel.is_single() {
-            return Ok((completions, rewards));
-        }
-        time.time("gather", || {
-            self.trainer.parallel.gather_samples(completions, rewards)
-        })
-    }
-
-    /// Adds DAPO's soft overlong punishment to every response's total reward, and reports it
-    /// as the reward function `overlong`.
-    fn punish_overlong(&self, rewards: &mut RewardOutcome, completions: &[Vec<Completion>]) {
-        let d = &self.cfg.dynamic_sampling;
-        let max = self.cfg.rollout.max_new_tokens;
-        let penalties: Vec<f64> = completions
-            .iter()
-            .flatten()
-            .map(|c| {
-                soft_overlong_penalty(
-                    c.response_ids.len(),
-                    max,
-                    d.overlong_buffer_len,
-                    d.overlong_penalty_factor,
-                )
-            })
-            .collect();
-        for (total, p) in rewards.total.iter_mut().zip(&penalties) {
-            *total += p;
-        }
-        rewards.per_function.push(("overlong".into(), penalties));
-    }
-
-    /// The step's sampling parameters: the run's `[rollout]` settings, and a seed derived from
-    /// the run's seed, the step and the batch within the step (dynamic sampling draws several),
-    /// so a resumed run samples what an uninterrupted one would.
-    fn sampling_params(&self, batch: u64) -> SamplingParams {
-        let r = &self.cfg.rollout;
-        SamplingParams {
-            n: r.n_samples_per_prompt,
-            max_new_tokens: r.max_new_tokens,
-            sampler: SamplerConfig {
-                temperature: r.temperature,
-                top_k: r.top_k,
-                top_p: r.top_p,
-                min_p: r.min_p,
-            },
-            seed: self
-                .cfg
-                .seed
-                .wrapping_add(self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-                .wrapping_add(batch.wrapping_mul(0xD1B5_4A32_D192_ED03)),
-            stop_token_ids: Vec::new(),
-            stop_strings: r.stop.clone(),
-            ignore_eos: false,
-            first_prompt: 0,
-        }
-    }
-
-    /// `params.n` multi-turn episodes of each prompt `rows[i]` (of the validation prompts with
-    /// `validation`) with the run's environment, and their rewards (as the reward function
-    /// `environment`).
-    fn episodes(
-        &mut self,
-        rows: &[usize],
-        params: &SamplingParams,
-        validation: bool,
-    ) -> Result<(Vec<Vec<Completion>>, RewardOutcome)> {
-        let (Some(environments), Some(env)) = (&self.environments, &self.cfg.environment) else {
-            return Err(TrainError::Invalid("the run has no [environment]".into()));
-        };
-        let source = match validation {
-            true => &self.val,
-            false => &self.prompts,
-        };
-        let asked: Vec<&PromptRow> = rows.iter().map(|&i| &source[i]).collect();
-        let limits = EpisodeLimits {
-            max_turns: env.max_turns,
+    /// The sampling side of the run, borrowed: what sampling a step and validating need.
+    fn sampling(&mut self) -> Sampling<'_> {
+        Sampling {
+            cfg: &self.cfg,
+            engine: self.engine.as_mut(),
+            tokenizer: &self.tokenizer,
+            rewards: &self.rewards,
+            environments: self.environments.as_deref(),
+            prompts: &self.prompts,
+            val: &self.val,
+            order: &mut self.order,
+            parallel: &self.trainer.parallel,
             max_positions: self.trainer.policy.max_positions(),
-        };
-        let (completions, scores) = run_episodes(
-            self.engine.as_mut(),
-            &self.tokenizer,
-            environments.as_ref(),
-            &asked,
-            params,
-            limits,
-        )?;
-        let name = "environment".to_string();
-        let turns = scores.turns.iter().map(|&t| t as f64).collect();
-        Ok((
-            completions,
-            RewardOutcome {
-                total: scores.rewards.clone(),
-                per_function: vec![(name.clone(), scores.rewards), ("turns".into(), turns)],
-                failures: vec![(name, scores.failures)],
-                latency: Vec::new(),
-            },
-        ))
-    }
-
-    /// `n_samples_per_prompt` completions of each prompt `rows[i]`, in the step's `batch`-th
-    /// sampling, drawn as prompt `first + i` of that sampling.
-    fn rollout(&mut self, rows: &[usize], batch: u64, first: u64) -> Result<Vec<Vec<Completion>>> {
-        let params = SamplingParams {
-            first_prompt: first,
-            ..self.sampling_params(batch)
-        };
-        let asked: Vec<&PromptRow> = rows.iter().map(|&i| &self.prompts[i]).collect();
-        let (ids, images) = engine_prompts(&asked);
-        Ok(self.engine.generate_with_images(&ids, &images, &params)?)
-    }
-
-    /// One trajectory per completion, prompt-major, rewarded by `rewards`. The group of a
-    /// prompt is its uid and its place in the step's samplings (a prompt drawn twice makes two
-    /// groups).
-    fn trajectories(
-        &self,
-        rows: &[usize],
-        completions: &[Vec<Completion>],
-        rewards: &[f64],
-        batch: u64,
-    ) -> Vec<Trajectory> {
-        let mut rewards = rewards.iter();
-        let mut trajs = Vec::with_capacity(rewards.len());
-        let first_slot = batch as usize * rows.len();
-        for (i, (&row, samples)) in rows.iter().zip(completions).enumerate() {
-            let slot = first_slot + i;
-            let p = &self.prompts[row];
-            for (c, &reward) in samples.iter().zip(&mut rewards) {
-                let episode = c.episode.as_ref();
-                trajs.push(Trajectory {
-                    uid: format!("{}#{slot}", p.uid),
-                    prompt_ids: episode
-                        .and_then(|e| e.prompt_ids.clone())
-                        .unwrap_or_else(|| p.prompt_ids.clone()),
-                    response_ids: c.response_ids.clone(),
-                    reward,
-                    rollout_logprobs: c.logprobs.clone(),
-                    finish_reason: Some(c.finish_reason.as_str().to_string()),
-                    weight_version: Some(c.weight_version),
-                    images: p.image_refs.clone(),
-                    pixels: p.images.clone(),
-                    loss_mask: episode.map(|e| e.generated.clone()).unwrap_or_default(),
-                });
-            }
+            step: self.step,
         }
-        trajs
-    }
-
-    /// Rewards of every completion of prompt `prompts[rows[i]]` (`completions[i]`),
-    /// prompt-major.
-    fn score(
-        &self,
-        rows: &[usize],
-        prompts: &[PromptRow],
-        completions: &[Vec<Completion>],
-    ) -> Result<RewardOutcome> {
-        let asked: Vec<&PromptRow> = rows.iter().map(|&i| &prompts[i]).collect();
-        let inputs = reward_inputs(&asked, completions, &self.tokenizer)?;
-        Ok(self.rewards.score(&inputs))
     }
 
     /// Greedy decoding of every validation prompt, scored: `val/reward_mean`, per function
-    /// `val/reward/<name>`, `val/response_length_mean`. Empty without `[data] val_files`.
+    /// `val/reward/<name>`, `val/response_length_mean`. Empty without `[data] val_files`, and
+    /// on every rank but 0 (the others go on to the next step and wait for it there).
     pub fn validate(&mut self) -> Result<BTreeMap<String, f64>> {
-        let mut m = BTreeMap::new();
-        // Rank 0 validates; the others go on to the next step and wait for it there.
-        if self.val.is_empty() || !self.trainer.parallel.is_main() {
-            return Ok(m);
+        // One step ahead, the engine still holds the weights from before the last update.
+        if self.cfg.one_step_async && !self.val.is_empty() {
+            self.sync_engine()?;
         }
-        let r = &self.cfg.rollout;
-        let params = SamplingParams {
-            n: 1,
-            max_new_tokens: r.max_new_tokens,
-            sampler: SamplerConfig {
-                temperature: 0.0,
-                ..Default::default()
-            },
-            stop_strings: r.stop.clone(),
-            ..Default::default()
-        };
-        let rows: Vec<usize> = (0..self.val.len()).collect();
-        let (completions, outcome) = match self.environments.is_some() {
-            true => self.episodes(&rows, &params, true)?,
-            false => {
-                let asked: Vec<&PromptRow> = self.val.iter().collect();
-                let (ids, images) = engine_prompts(&asked);
-                let completions = self.engine.generate_with_images(&ids, &images, &params)?;
-                let outcome = self.score(&rows, &self.val, &completions)?;
-                (completions, outcome)
-            }
-        };
-        m.insert("val/reward_mean".into(), mean_std(&outcome.total).0);
-        for (name, scores) in &outcome.per_function {
-            m.insert(format!("val/reward/{name}"), mean_std(scores).0);
-        }
-        let lens: Vec<f64> = completions
-            .iter()
-            .flatten()
-            .map(|c| c.response_ids.len() as f64)
-            .collect();
-        m.insert("val/response_length_mean".into(), mean_std(&lens).0);
-        Ok(m)
+        self.sampling().validate()
     }
 
     fn log(&self, m: &BTreeMap<String, f64>) -> Result<()> {
@@ -1341,7 +1202,7 @@ fn shared_logprobs(
 }
 
 /// How many groups (uids) `trajs` hold.
-fn distinct_groups(trajs: &[Trajectory]) -> usize {
+pub(crate) fn distinct_groups(trajs: &[Trajectory]) -> usize {
     let uids: std::collections::HashSet<&str> = trajs.iter().map(|t| t.uid.as_str()).collect();
     uids.len()
 }

@@ -49,6 +49,13 @@ impl PhaseTimes {
             .unwrap_or_default()
     }
 
+    /// Adds another record's phases to this one's.
+    pub fn absorb(&mut self, other: PhaseTimes) {
+        for (phase, seconds) in other.0 {
+            *self.0.entry(phase).or_default() += seconds;
+        }
+    }
+
     pub fn into_metrics(self) -> BTreeMap<String, f64> {
         self.0
     }

@@ -760,3 +760,57 @@ fn eval_scores_checkpoints_as_the_run_does() {
     assert!(rows[0]["scores"]["correct"].is_number() && rows[0]["response"].is_string());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `[trainer] async = "one_step"`: each step after the first learns from a batch the engine
+/// sampled during the previous update, with the weights from before it: the saved rollouts of
+/// step s carry version s − 2 (the first two, 0), `async/staleness` is 1 after the first step,
+/// and the version checks accept it. A run stopped after 2 steps resumes (its next batch is
+/// sampled again, with the resumed weights: staleness 0 once).
+#[test]
+fn one_step_async_samples_the_next_batch_during_the_update() {
+    let dir = temp_dir("one-step");
+    let config = demo_with(
+        &dir.join("async.toml"),
+        4,
+        4,
+        &[("seed = 1", "seed = 1\nasync = \"one_step\"")],
+    );
+    let (whole, split) = (dir.join("whole"), dir.join("split"));
+    let train = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["train", "--config", s(&config), "--output-dir", s(out)];
+        args.extend(extra);
+        ok(&oxrl(&args));
+    };
+    train(&whole, &["--save-rollouts"]);
+    let staleness = |d: &Path| -> Vec<f64> {
+        oxrl_fixtures::jsonl(&d.join("metrics.jsonl"))
+            .iter()
+            .filter_map(|m| m.get("async/staleness").and_then(Value::as_f64))
+            .collect()
+    };
+    assert_eq!(staleness(&whole), [0.0, 1.0, 1.0, 1.0]);
+    for step in 1..=4u64 {
+        let trajs =
+            oxrl_train::read_trajectories(&whole.join(format!("rollouts/step-{step}.jsonl")))
+                .unwrap();
+        for t in trajs {
+            assert_eq!(
+                t.weight_version.map(|v| v.0),
+                Some(step.saturating_sub(2)),
+                "step {step}"
+            );
+        }
+    }
+    // Checkpoint 2 was written with step 3's batch already drawn: it records the data order
+    // from before that batch (2 batches of 4 prompts), so a resume samples it again.
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(whole.join("checkpoint-2/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["data"]["position"], 8, "{state}");
+    train(&split, &["--max-steps", "2"]);
+    train(&split, &["--resume"]);
+    assert_eq!(staleness(&split), [0.0, 1.0, 0.0, 1.0]);
+    assert!(split.join("checkpoint-4").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
