@@ -64,7 +64,8 @@ enum Command {
     /// Before launch: a run's memory per GPU by category, whether it fits, the largest
     /// micro-batch that does, and an estimated step time and cost.
     Plan(plan::PlanArgs),
-    /// Write a plain Hugging Face checkpoint: a LoRA adapter merged into its base model.
+    /// A model for deployment: a Hugging Face checkpoint (a LoRA adapter merged in), one GGUF
+    /// file for llama.cpp, or an ONNX model with a KV cache for onnxruntime.
     Export(export::ExportArgs),
     /// Checkpoints on a dataset, scored as a run configuration scores training: mean reward,
     /// pass@k, every response.
