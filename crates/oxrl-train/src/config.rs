@@ -92,6 +92,9 @@ pub struct DynamicSampling {
 pub struct RunConfig {
     /// The file the config came from; relative paths in it are relative to its directory.
     pub source: PathBuf,
+    /// The TOML text the config was read from (with an `oxrl sweep` point's overrides), which
+    /// the run directory keeps.
+    pub source_text: String,
     pub model_path: String,
     pub dtype: String,
     /// Where the policy and reference run and train.
@@ -495,6 +498,7 @@ fn resolve(given: &Given) -> Result<RunConfig, ConfigError> {
         .map_err(|e| given.bad("model.device", e))?;
     Ok(RunConfig {
         source: given.path.to_path_buf(),
+        source_text: given.text.to_string(),
         model_path: local_or_hub(model_path),
         dtype: given.value("model.dtype"),
         device,

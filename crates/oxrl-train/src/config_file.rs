@@ -229,7 +229,7 @@ pub(crate) fn closest<'a>(
 /// checked, with the line of each key, section and function table.
 pub(crate) struct Given<'a> {
     pub path: &'a Path,
-    text: &'a str,
+    pub text: &'a str,
     /// `trainer.lr`, `trainer`, `reward.functions.0`, `reward.functions.0.url` → line.
     lines: HashMap<String, usize>,
     /// Dotted key (`trainer.lr`, top-level `policy_model`) → its checked value.

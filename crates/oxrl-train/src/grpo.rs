@@ -373,7 +373,7 @@ impl GrpoRun {
             None => resume.then(|| state::latest(&cfg.output_dir)).flatten(),
         };
         if let (Some(dir), true) = (&run_dir, resumed.is_none()) {
-            dir.keep_config(&cfg.source)?;
+            dir.keep_config(&cfg.source_text)?;
         }
         agree_on_checkpoint(&parallel, &resumed, &cfg.output_dir)?;
         let (policy_dir, trainer_state) = match &resumed {

@@ -16,6 +16,7 @@ pub mod loss;
 pub mod observe;
 mod one_step;
 pub mod optim;
+pub mod overrides;
 pub mod parallel;
 pub mod plan;
 pub mod reward_config;

@@ -25,13 +25,10 @@ pub struct RunDir {
 }
 
 impl RunDir {
-    /// Keeps a copy of the configuration file the run started from (`config.toml`, written
-    /// atomically), so the run directory says how it was made. Relative paths in it stay
-    /// relative to the original's directory.
-    pub fn keep_config(&self, source: &Path) -> Result<()> {
-        let Ok(text) = std::fs::read(source) else {
-            return Ok(());
-        };
+    /// Keeps the configuration the run started from (`config.toml`, written atomically), so
+    /// the run directory says how it was made. Relative paths in it stay relative to the
+    /// original file's directory.
+    pub fn keep_config(&self, text: &str) -> Result<()> {
         let target = self.path.join(CONFIG_COPY);
         let tmp = self.path.join(format!(".{CONFIG_COPY}.tmp"));
         std::fs::write(&tmp, text)

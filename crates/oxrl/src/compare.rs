@@ -130,13 +130,18 @@ fn cell(v: Option<f64>, digits: usize) -> String {
 }
 
 pub fn run(args: CompareArgs) -> Result<()> {
-    let mut runs = args
-        .runs
+    leaderboard(&args.runs, &args.metric, args.chart.as_deref())
+}
+
+/// Prints the leaderboard of the runs in `dirs`, ranked by `metric`, and writes `chart` (SVG)
+/// when given.
+pub fn leaderboard(dirs: &[PathBuf], metric: &str, chart: Option<&Path>) -> Result<()> {
+    let mut runs = dirs
         .iter()
-        .map(|d| read_run(d, &args.metric))
+        .map(|d| read_run(d, metric))
         .collect::<Result<Vec<_>>>()?;
     if runs.iter().all(|r| r.curve.is_empty()) {
-        bail!("no run logged `{}`", args.metric);
+        bail!("no run logged `{metric}`");
     }
     // Best first, by the metric's final value.
     runs.sort_by(|a, b| {
@@ -147,7 +152,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
         "rank",
         "run",
         "steps",
-        &format!("{} (last 10)", args.metric),
+        &format!("{metric} (last 10)"),
         "best",
         "val last",
         "val best",
@@ -196,13 +201,13 @@ pub fn run(args: CompareArgs) -> Result<()> {
         out.push_str(&table(&rows));
     }
     crate::output::print_text(&out)?;
-    if let Some(chart) = &args.chart {
+    if let Some(chart) = chart {
         let lines: Vec<(String, Vec<(u64, f64)>)> = runs
             .iter()
             .enumerate()
             .map(|(i, r)| (format!("#{} {}", i + 1, r.name), r.curve.clone()))
             .collect();
-        write_svg_lines(chart, &format!("{} per step", args.metric), &lines)
+        write_svg_lines(chart, &format!("{metric} per step"), &lines)
             .with_context(|| chart.display().to_string())?;
     }
     Ok(())

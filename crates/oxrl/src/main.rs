@@ -14,6 +14,7 @@ mod output;
 mod plan;
 mod score;
 mod serve;
+mod sweep;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -73,6 +74,9 @@ enum Command {
     /// A leaderboard of training runs (reward, validation, throughput, wall time, config
     /// differences) and a chart overlaying their reward curves.
     Compare(compare::CompareArgs),
+    /// A grid of runs over one configuration (every combination of the --grid values), run one
+    /// after another or printed as launch commands, ending with their leaderboard.
+    Sweep(sweep::SweepArgs),
     /// Speed benchmarks on random-weight models.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -139,6 +143,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => done(plan::run(args)),
         Command::Export(args) => done(export::run(args)),
         Command::Compare(args) => done(compare::run(args)),
+        Command::Sweep(args) => done(sweep::run(args)),
         Command::Eval(args) => done(eval::run(args)),
         Command::Bench(cmd) => done(bench::run(cmd)),
         Command::DistCheck(args) => done(dist_check::run(args)),

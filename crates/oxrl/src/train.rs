@@ -4,6 +4,7 @@ use crate::output::{print_text, say};
 use anyhow::{bail, Context, Result};
 use oxrl_dist::{DistEnv, ProcessGroup};
 use oxrl_models::DeviceSpec;
+use oxrl_train::overrides::{self, Override};
 use oxrl_train::{config, replay_parallel, sft, DataParallel, GrpoRun, Interrupt, RunConfig};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -25,6 +26,11 @@ pub struct TrainArgs {
     /// Overrides [trainer] output_dir.
     #[arg(long)]
     output_dir: Option<PathBuf>,
+    /// Changes a configuration key: `section.key=value` (repeatable), e.g.
+    /// `--set trainer.lr=1e-5 --set algorithm.advantage=rloo`. The run keeps the changed
+    /// configuration in its output directory.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<Override>,
     /// Continue from the newest complete checkpoint in the output directory.
     #[arg(long)]
     resume: bool,
@@ -48,6 +54,9 @@ pub struct SftArgs {
     max_steps: Option<u64>,
     #[arg(long)]
     output_dir: Option<PathBuf>,
+    /// Changes a configuration key: `section.key=value` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<Override>,
     #[arg(long)]
     resume: bool,
     /// Overrides [model] device: cpu, cuda (the first GPU) or cuda:N.
@@ -68,13 +77,28 @@ pub struct ConfigArgs {
     check: Option<PathBuf>,
 }
 
+/// The configuration in `path` with `overrides` applied to its text.
+pub fn load_with(path: &Path, overrides: &[Override]) -> Result<RunConfig> {
+    if overrides.is_empty() {
+        return Ok(RunConfig::from_file(path)?);
+    }
+    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
+    let text = overrides::apply(&text, overrides)
+        .map_err(|e| anyhow::anyhow!("{}: --set {e}", path.display()))?;
+    RunConfig::from_str(&text, path).with_context(|| {
+        let set: Vec<String> = overrides.iter().map(|o| format!("--set {o}")).collect();
+        format!("with {}", set.join(" "))
+    })
+}
+
 fn load(
     path: &Path,
+    overrides: &[Override],
     max_steps: Option<u64>,
     output_dir: Option<PathBuf>,
     device: Option<DeviceSpec>,
 ) -> Result<RunConfig> {
-    let mut cfg = RunConfig::from_file(path)?;
+    let mut cfg = load_with(path, overrides)?;
     if let Some(d) = device {
         cfg.device = d;
     }
@@ -125,7 +149,13 @@ pub fn train(args: TrainArgs, interrupt: &Interrupt) -> Result<ExitCode> {
         None if Path::new(DEFAULT_CONFIG).exists() => PathBuf::from(DEFAULT_CONFIG),
         None => bail!("no --config given and {DEFAULT_CONFIG} is not here (run from the repository root, or pass --config)"),
     };
-    let mut cfg = load(&path, args.max_steps, args.output_dir, args.device)?;
+    let mut cfg = load(
+        &path,
+        &args.overrides,
+        args.max_steps,
+        args.output_dir,
+        args.device,
+    )?;
     let env = DistEnv::from_env()?;
     check_world_size(&cfg, &env)?;
     cfg.device = crate::dist_check::rank_device(cfg.device, &env);
@@ -212,7 +242,13 @@ fn check_world_size(cfg: &RunConfig, env: &DistEnv) -> Result<()> {
 }
 
 pub fn sft(args: SftArgs, interrupt: &Interrupt) -> Result<ExitCode> {
-    let cfg = load(&args.config, args.max_steps, args.output_dir, args.device)?;
+    let cfg = load(
+        &args.config,
+        &args.overrides,
+        args.max_steps,
+        args.output_dir,
+        args.device,
+    )?;
     if DistEnv::from_env()?.world_size > 1 {
         bail!(
             "oxrl sft runs as one process in this version; data-parallel training is `oxrl train`'s"

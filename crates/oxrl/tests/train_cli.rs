@@ -583,31 +583,68 @@ server.serve_forever()
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `oxrl compare`: two real runs that differ in their learning rate make a leaderboard (each
-/// run's reward, validation, throughput and wall time), list `trainer.lr` among the
-/// configuration differences (from the `config.toml` each run keeps), and chart both curves.
+/// `oxrl sweep` over two learning rates runs both points as `oxrl train` processes (each with
+/// its `--set` overrides, kept in its `config.toml`) and ends with the leaderboard; `oxrl
+/// compare` on the two run directories ranks them (reward, validation, throughput, wall
+/// time), lists `trainer.lr` among the configuration differences and charts both curves.
 #[test]
-fn compare_ranks_runs_and_shows_their_differences() {
+fn sweep_runs_a_grid_and_compare_ranks_runs_and_shows_their_differences() {
     let dir = temp_dir("compare");
-    let mut runs = Vec::new();
-    for lr in ["1e-3", "1e-4"] {
-        let config = demo_with(
-            &dir.join(format!("lr-{lr}.toml")),
-            4,
-            3,
-            &[("lr = 1e-3", &format!("lr = {lr}"))],
-        );
-        let out = dir.join(format!("run-{lr}"));
-        ok(&oxrl(&[
-            "train",
-            "--config",
-            s(&config),
-            "--output-dir",
-            s(&out),
-        ]));
-        assert!(out.join("config.toml").exists());
-        runs.push(out);
+    let config = demo_with(&dir.join("base.toml"), 4, 3, &[]);
+    let sweep = dir.join("sweep");
+    let sweep_args = [
+        "sweep",
+        "--config",
+        s(&config),
+        "--grid",
+        "trainer.lr=1e-3,1e-4",
+        "--set",
+        "trainer.save_every=3",
+        "--output-dir",
+        s(&sweep),
+    ];
+    let printed = oxrl(&[&sweep_args[..], &["--print-commands"]].concat());
+    ok(&printed);
+    let commands = String::from_utf8_lossy(&printed.stdout).to_string();
+    assert_eq!(commands.lines().count(), 2, "{commands}");
+    assert!(
+        commands
+            .lines()
+            .all(|l| l.starts_with("oxrl train --config")),
+        "{commands}"
+    );
+    assert!(
+        commands.contains("--set trainer.lr=1e-4")
+            && commands.contains("--set trainer.save_every=3"),
+        "{commands}"
+    );
+    assert!(!sweep.exists(), "--print-commands ran something");
+
+    let r = oxrl(&sweep_args);
+    ok(&r);
+    let said = String::from_utf8_lossy(&r.stdout).to_string();
+    let runs = [sweep.join("lr=1e-3"), sweep.join("lr=1e-4")];
+    for run in &runs {
+        assert!(said.contains(s(run)), "{said}");
+        let kept = std::fs::read_to_string(run.join("config.toml")).unwrap();
+        assert!(kept.contains("save_every = 3"), "{kept}");
     }
+    assert!(runs[1].join("config.toml").exists());
+    assert!(std::fs::read_to_string(runs[1].join("config.toml"))
+        .unwrap()
+        .contains("lr = 1e-4"));
+    assert!(
+        said.contains("rank") && sweep.join("compare.svg").exists(),
+        "{said}"
+    );
+    let bad = oxrl(&["train", "--config", s(&config), "--set", "trainer.lrr=1"]);
+    assert!(!bad.status.success());
+    let e = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        e.contains("trainer.lrr") && e.contains("--set trainer.lrr=1"),
+        "{e}"
+    );
+
     let chart = dir.join("compare.svg");
     let r = oxrl(&["compare", s(&runs[0]), s(&runs[1]), "--chart", s(&chart)]);
     ok(&r);
