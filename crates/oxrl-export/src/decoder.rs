@@ -32,6 +32,8 @@ impl Decoder {
                     .or_else(|| text.get("tie_word_embeddings"))
                     .and_then(Value::as_bool)
                     .unwrap_or(false);
+                // Qwen3-VL always interleaves MRoPE; [24, 20, 20] when the config names none.
+                config.mrope_section = config.mrope_section.or(Some([24, 20, 20]));
                 (config, true, "model.language_model.")
             }
             _ => (

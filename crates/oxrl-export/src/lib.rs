@@ -1,7 +1,7 @@
 //! Checkpoints for local and edge deployment, written from a Hugging Face checkpoint one tensor
-//! at a time: [`gguf`] (one file for llama.cpp and what is built on it) and [`onnx`] (a graph
-//! with KV-cache inputs and outputs for onnxruntime, in the layout optimum and
-//! onnxruntime-genai use).
+//! at a time: [`gguf`] (one file for llama.cpp and what is built on it) and [`onnx`] (a decoder
+//! graph with KV-cache inputs and outputs for onnxruntime, in the layout optimum and
+//! onnxruntime-genai use, and Qwen3-VL's vision tower as a second graph).
 
 mod decoder;
 pub mod error;

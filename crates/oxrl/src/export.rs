@@ -18,7 +18,8 @@ pub enum Format {
     Hf,
     /// One GGUF file (llama.cpp, Ollama, LM Studio).
     Gguf,
-    /// An ONNX model directory with a KV cache (onnxruntime, optimum).
+    /// An ONNX model directory with a KV cache (onnxruntime, optimum); Qwen3-VL adds the vision
+    /// tower as `vision.onnx`.
     Onnx,
 }
 
@@ -130,12 +131,15 @@ fn convert(source: &Path, args: &ExportArgs) -> Result<()> {
             };
             let summary = onnx::export(source, &args.output, dtype, &mut progress)
                 .with_context(|| format!("exporting {} as ONNX", source.display()))?;
+            let graphs = match summary.vision {
+                true => format!("{} and {}", onnx::MODEL_FILE, onnx::VISION_FILE),
+                false => onnx::MODEL_FILE.to_string(),
+            };
             say!(
-                "wrote {} ({} layers, {:.1} MB of weights in {})",
+                "wrote {} ({graphs}; {} decoder layers, {:.1} MB of weights)",
                 args.output.display(),
                 summary.layers,
                 summary.weight_bytes as f64 / 1e6,
-                onnx::DATA_FILE
             )?;
         }
         Format::Hf => write_checkpoint(source, None, &args.output, hf_dtype(args.dtype))?,

@@ -67,10 +67,14 @@ fn oxrl_logprobs(model: &Path, cases: &Path) -> Vec<Vec<f64>> {
         .collect()
 }
 
-/// `oxrl generate`'s greedy continuation of `prompt` (eos ignored).
-fn oxrl_greedy(model: &Path, prompt: &[u32], n: usize, dir: &Path) -> Vec<u32> {
-    let input = dir.join("greedy-prompt.jsonl");
-    std::fs::write(&input, json!({"prompt_ids": prompt}).to_string()).unwrap();
+/// `oxrl generate`'s greedy continuations of `prompts` (eos ignored).
+fn oxrl_greedy_all(model: &Path, prompts: &[Vec<u32>], n: usize, dir: &Path) -> Vec<Vec<u32>> {
+    let input = dir.join("greedy-prompts.jsonl");
+    let lines: String = prompts
+        .iter()
+        .map(|p| json!({"prompt_ids": p}).to_string() + "\n")
+        .collect();
+    std::fs::write(&input, lines).unwrap();
     let n = n.to_string();
     let out = oxrl(&[
         "generate",
@@ -84,7 +88,20 @@ fn oxrl_greedy(model: &Path, prompt: &[u32], n: usize, dir: &Path) -> Vec<u32> {
         &n,
         "--ignore-eos",
     ]);
-    ids(&serde_json::from_str::<Value>(&out).unwrap()["response_ids"])
+    let mut by_index: Vec<(u64, Vec<u32>)> = out
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["index"].as_u64().unwrap(), ids(&v["response_ids"]))
+        })
+        .collect();
+    by_index.sort_by_key(|(i, _)| *i);
+    by_index.into_iter().map(|(_, r)| r).collect()
+}
+
+/// `oxrl generate`'s greedy continuation of `prompt` (eos ignored).
+fn oxrl_greedy(model: &Path, prompt: &[u32], n: usize, dir: &Path) -> Vec<u32> {
+    oxrl_greedy_all(model, &[prompt.to_vec()], n, dir).remove(0)
 }
 
 fn max_abs_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
@@ -124,7 +141,7 @@ fn onnxruntime_runs_the_onnx_export_as_transformers_and_oxrl_do() {
         "--output",
         s(&onnx),
     ]);
-    assert!(said.contains("3 layers"), "{said}");
+    assert!(said.contains("3 decoder layers"), "{said}");
     for file in [
         "model.onnx",
         "model.onnx.data",
@@ -214,6 +231,107 @@ fn onnxruntime_runs_the_onnx_export_as_transformers_and_oxrl_do() {
         .collect();
     assert_eq!(batch[0], decoded[0][..12].to_vec(), "padded batch row 0");
     assert_eq!(batch[1], decoded[1], "padded batch row 1");
+}
+
+fn rows(v: &Value) -> Vec<Vec<f64>> {
+    v.as_array().unwrap().iter().map(floats).collect()
+}
+
+fn tensor_rows(t: &candle_core::Tensor) -> Vec<Vec<f64>> {
+    let rows: Vec<Vec<f32>> = t.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+    rows.iter()
+        .map(|r| r.iter().map(|x| *x as f64).collect())
+        .collect()
+}
+
+/// Qwen3-VL: the vision graph, run once per image of the fixture's case 0 on its pixel rows,
+/// gives transformers' image embeddings and DeepStack features; the decoder fed them with the
+/// MRoPE positions gives transformers' logits (each within 1e-4), and greedy decoding through
+/// the KV cache continues the case as `oxrl generate` does from its images.
+#[test]
+fn onnxruntime_runs_the_qwen3_vl_export_with_its_vision_graph() {
+    let dir = temp_dir("export-onnx-vl");
+    let model = fixture("qwen3-vl-tiny");
+    let onnx = dir.join("onnx");
+    let said = oxrl(&[
+        "export",
+        "--model",
+        s(&model),
+        "--format",
+        "onnx",
+        "--output",
+        s(&onnx),
+    ]);
+    assert!(said.contains("vision.onnx"), "{said}");
+    for file in [
+        "vision.onnx",
+        "vision.onnx.data",
+        "preprocessor_config.json",
+    ] {
+        assert!(onnx.join(file).exists(), "{file} missing from the export");
+    }
+    let expected =
+        candle_core::safetensors::load(model.join("expected.safetensors"), &Device::Cpu).unwrap();
+    let grids: Vec<Vec<i64>> = expected["image_grid_thw"].to_vec2().unwrap();
+    let positions: Vec<Vec<i64>> = expected["position_ids"].to_vec2().unwrap();
+    let request = json!({
+        "model": onnx,
+        "pixel_values": tensor_rows(&expected["pixel_values"]),
+        "grids": grids,
+        "input_ids": expected["input_ids"].to_vec1::<i64>().unwrap(),
+        "position_ids": positions,
+        "max_new_tokens": 8,
+    });
+    let out = peer("onnx_vl.py", &[], &request);
+    let close = |ours: Vec<Vec<f64>>, name: &str| {
+        let worst = max_abs_diff(&ours, &tensor_rows(&expected[name]));
+        assert!(
+            worst <= 1e-4,
+            "ONNX {name} vs transformers: max |Δ| {worst}"
+        );
+    };
+    close(rows(&out["image_embeds"]), "image_embeds");
+    let deepstack = out["deepstack_embeds"].as_array().unwrap();
+    assert_eq!(deepstack.len(), 2);
+    for (k, feature) in deepstack.iter().enumerate() {
+        close(rows(feature), &format!("deepstack_features.{k}"));
+    }
+    close(rows(&out["logits"]), "logits");
+
+    // The same sequence in the compact form `oxrl generate` reads, with its image files.
+    let case = &jsonl(&model.join("cases.jsonl"))[0];
+    let mut prompt = ids(&case["prompt_ids"]);
+    prompt.extend(ids(&case["response_ids"]));
+    let images: Vec<String> = case["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| model.join(i.as_str().unwrap()).display().to_string())
+        .collect();
+    let input = dir.join("vl-prompt.jsonl");
+    std::fs::write(
+        &input,
+        json!({"prompt_ids": prompt, "images": images}).to_string(),
+    )
+    .unwrap();
+    let generated = oxrl(&[
+        "generate",
+        "--model",
+        s(&model),
+        "--input",
+        s(&input),
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+    ]);
+    let oxrl_ids = ids(&serde_json::from_str::<Value>(&generated).unwrap()["response_ids"]);
+    assert_eq!(
+        ids(&out["greedy"]),
+        oxrl_ids,
+        "greedy through the ONNX KV cache vs oxrl generate"
+    );
 }
 
 #[test]
@@ -462,7 +580,14 @@ fn llama_cpp_decodes_the_gguf_export_as_oxrl_does() {
         "--output",
         s(&hf16),
     ]);
-    for (dtype, reference) in [("f32", &policy), ("f16", &hf16), ("q8_0", &policy)] {
+    let from_oxrl = oxrl_greedy_all(&policy, &prompts, 12, &dir);
+    let from_oxrl_f16 = oxrl_greedy_all(&hf16, &prompts, 12, &dir);
+    for (dtype, reference) in [
+        ("f32", Some(&from_oxrl)),
+        // f16: oxrl decodes the checkpoint rounded to f16 (in f32, as llama.cpp does).
+        ("f16", Some(&from_oxrl_f16)),
+        ("q8_0", None),
+    ] {
         let file = dir.join(format!("policy-{dtype}.gguf"));
         oxrl(&[
             "export",
@@ -475,19 +600,18 @@ fn llama_cpp_decodes_the_gguf_export_as_oxrl_does() {
             "--output",
             s(&file),
         ]);
-        for prompt in &prompts {
-            let request =
-                json!({"libdir": libdir, "gguf": file, "prompt_ids": prompt, "max_new_tokens": 12});
-            let llama = ids(&peer("llama_greedy.py", &[], &request));
-            assert_eq!(llama.len(), 12, "{dtype}");
-            if dtype != "q8_0" {
-                // f16: oxrl decodes the checkpoint rounded to f16 (in f32, as llama.cpp does).
-                assert_eq!(
-                    llama,
-                    oxrl_greedy(reference, prompt, 12, &dir),
-                    "{dtype}: llama.cpp vs oxrl"
-                );
-            }
+        let request =
+            json!({"libdir": libdir, "gguf": file, "prompts": prompts, "max_new_tokens": 12});
+        let llama: Vec<Vec<u32>> = peer("llama_greedy.py", &[], &request)
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(ids)
+            .collect();
+        assert_eq!(llama.len(), prompts.len());
+        assert!(llama.iter().all(|r| r.len() == 12), "{dtype}: {llama:?}");
+        if let Some(reference) = reference {
+            assert_eq!(&llama, reference, "{dtype}: llama.cpp vs oxrl generate");
         }
     }
 }
@@ -540,16 +664,6 @@ fn export_refuses_what_a_format_cannot_hold_and_says_why() {
         "gguf",
         "--output",
         s(&dir.join("v.gguf")),
-    ]);
-    assert!(err.contains("Qwen3-VL"), "{err}");
-    let err = run(&[
-        "export",
-        "--model",
-        s(&vl),
-        "--format",
-        "onnx",
-        "--output",
-        s(&out),
     ]);
     assert!(err.contains("Qwen3-VL"), "{err}");
     // Nothing was left behind under the output names, nor half-written beside them.

@@ -2,86 +2,63 @@
 //! layout: inputs `input_ids`, `attention_mask` (every position so far, past and new),
 //! `position_ids` and `past_key_values.{i}.key|value` `[batch, kv_heads, past, head_dim]`;
 //! outputs `logits` `[batch, seq, vocab]` and `present.{i}.key|value` (the past with this
-//! call's positions appended). Computation is f32 (the transformers forward, op for op);
-//! f16/bf16 exports store the weights at half size and cast them on load.
+//! call's positions appended). Computation is f32 (the transformers forward, op for op).
+//!
+//! Qwen3-VL's decoder takes, besides, `image_embeds` `[n, hidden]` (the vision graph's output
+//! for every image and video pad token of the batch, in sequence order), written over those
+//! tokens' embeddings, and `deepstack_embeds` `[k, n, hidden]`, added to them after decoder
+//! layer i < k; its `position_ids` are MRoPE's `[3, batch, seq]` (T, H, W).
 
 use super::graph::{Attr, Dim, Graph};
+use super::ops::{self, Weights};
 use super::proto::DataType;
 use crate::decoder::Decoder;
-use crate::error::{io_err, Result};
-use crate::tensors::CheckpointTensors;
+use crate::error::Result;
 use std::io::Write;
-use std::path::Path;
 
-/// The stored precision of the weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightDtype {
-    F32,
-    F16,
-    BF16,
+/// What a Qwen3-VL decoder adds: the pad tokens images replace and the DeepStack depth.
+pub struct VisualInputs {
+    pub image_token_id: i64,
+    pub video_token_id: i64,
+    pub deepstack: usize,
 }
 
-impl WeightDtype {
-    fn data_type(self) -> DataType {
-        match self {
-            Self::F32 => DataType::Float,
-            Self::F16 => DataType::Float16,
-            Self::BF16 => DataType::BFloat16,
-        }
-    }
-
-    fn encode(self, values: &[f32]) -> Vec<u8> {
-        match self {
-            Self::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Self::F16 => values
-                .iter()
-                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                .collect(),
-            Self::BF16 => values
-                .iter()
-                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                .collect(),
-        }
-    }
-}
-
-/// Values the whole graph shares: the mask and the rotary tables.
+/// Values the whole graph shares.
 struct Shared {
     /// `[batch, 1, seq, total]`: 0 where a query may attend, f32's lowest where not.
     mask: String,
     /// `[batch, 1, seq, head_dim]`.
     cos: String,
     sin: String,
+    /// `[n, 2]` (batch, position) of every image or video pad token (Qwen3-VL).
+    visual_positions: Option<String>,
 }
 
 pub(super) struct DecoderGraph<'a, W: Write> {
     g: Graph<W>,
     decoder: &'a Decoder,
-    tensors: &'a CheckpointTensors,
-    dtype: WeightDtype,
-    data_path: &'a Path,
+    weights: Weights<'a>,
+    visual: Option<VisualInputs>,
 }
 
 impl<'a, W: Write> DecoderGraph<'a, W> {
     pub fn new(
         g: Graph<W>,
         decoder: &'a Decoder,
-        tensors: &'a CheckpointTensors,
-        dtype: WeightDtype,
-        data_path: &'a Path,
+        weights: Weights<'a>,
+        visual: Option<VisualInputs>,
     ) -> Self {
         Self {
             g,
             decoder,
-            tensors,
-            dtype,
-            data_path,
+            weights,
+            visual,
         }
     }
 
     /// Builds the graph; `progress(done, total)` after each layer's weights are written.
     pub fn build(mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<Graph<W>> {
-        let c = &self.decoder.config;
+        let c = self.decoder.config.clone();
         let (layers, kv_heads, head_dim) = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim);
         let kv_dims = |len: &'static str| {
             [
@@ -101,7 +78,37 @@ impl<'a, W: Write> DecoderGraph<'a, W> {
                 Dim::Named("total_sequence_length"),
             ],
         );
-        self.g.input("position_ids", DataType::Int64, &seq);
+        match &self.visual {
+            None => self.g.input("position_ids", DataType::Int64, &seq),
+            Some(v) => {
+                self.g.input(
+                    "position_ids",
+                    DataType::Int64,
+                    &[
+                        Dim::Fixed(3),
+                        Dim::Named("batch_size"),
+                        Dim::Named("sequence_length"),
+                    ],
+                );
+                let n = Dim::Named("num_visual_tokens");
+                self.g.input(
+                    "image_embeds",
+                    DataType::Float,
+                    &[n, Dim::Fixed(c.hidden_size)],
+                );
+                if v.deepstack > 0 {
+                    self.g.input(
+                        "deepstack_embeds",
+                        DataType::Float,
+                        &[
+                            Dim::Fixed(v.deepstack),
+                            Dim::Named("num_visual_tokens"),
+                            Dim::Fixed(c.hidden_size),
+                        ],
+                    );
+                }
+            }
+        }
         for i in 0..layers {
             for kind in ["key", "value"] {
                 let name = format!("past_key_values.{i}.{kind}");
@@ -111,19 +118,29 @@ impl<'a, W: Write> DecoderGraph<'a, W> {
         }
 
         let shared = self.shared();
-        let embed = self.weight(&self.decoder.embed_tokens(), &[c.vocab_size, c.hidden_size])?;
+        let embed_shape = [c.vocab_size, c.hidden_size];
+        let embed = self.weight(&self.decoder.embed_tokens(), &embed_shape)?;
         let mut hidden = self.g.op("Gather", &[&embed, "input_ids"], vec![]);
+        if let Some(at) = &shared.visual_positions {
+            hidden = self
+                .g
+                .op("ScatterND", &[&hidden, at, "image_embeds"], vec![]);
+        }
+        let deepstack = self.visual.as_ref().map_or(0, |v| v.deepstack);
         for layer in 0..layers {
             hidden = self.layer(layer, &hidden, &shared)?;
+            if let (Some(at), true) = (&shared.visual_positions, layer < deepstack) {
+                hidden = self.add_deepstack(&hidden, at, layer);
+            }
             progress(layer + 1, layers);
         }
         let norm = self.weight(&self.decoder.final_norm(), &[c.hidden_size])?;
         let hidden = self.rms_norm(&hidden, &norm);
         let lm_head = match c.tie_word_embeddings {
             true => embed,
-            false => self.weight(&self.decoder.lm_head(), &[c.vocab_size, c.hidden_size])?,
+            false => self.weight(&self.decoder.lm_head(), &embed_shape)?,
         };
-        let logits = self.linear(&hidden, &lm_head);
+        let logits = ops::linear(&mut self.g, &hidden, &lm_head);
         self.g.node("Identity", &[&logits], &["logits"], vec![]);
         self.g.output(
             "logits",
@@ -144,30 +161,22 @@ impl<'a, W: Write> DecoderGraph<'a, W> {
         Ok(self.g)
     }
 
-    /// A checkpoint weight (shape checked), stored in the export dtype and cast to f32.
     fn weight(&mut self, name: &str, shape: &[usize]) -> Result<String> {
-        self.tensors.shape_of(name, shape)?;
-        let raw = self.dtype.encode(&self.tensors.read_f32(name)?);
-        let stored = self
-            .g
-            .weight(name, self.dtype.data_type(), shape, &raw)
-            .map_err(io_err(self.data_path))?;
-        Ok(match self.dtype {
-            WeightDtype::F32 => stored,
-            _ => self.g.op(
-                "Cast",
-                &[&stored],
-                vec![Attr::Int("to", DataType::Float as i64)],
-            ),
-        })
+        self.weights.load(&mut self.g, name, shape, shape)
     }
 
-    /// `x @ Wᵀ` for a PyTorch `[out, in]` weight.
-    fn linear(&mut self, x: &str, weight: &str) -> String {
-        let wt = self
-            .g
-            .op("Transpose", &[weight], vec![Attr::Ints("perm", vec![1, 0])]);
-        self.g.op("MatMul", &[x, &wt], vec![])
+    /// `h[visual] += deepstack_embeds[layer]`.
+    fn add_deepstack(&mut self, hidden: &str, at: &str, layer: usize) -> String {
+        let g = &mut self.g;
+        let k = g.const_i64(&[layer as i64], true);
+        let feature = g.op(
+            "Gather",
+            &["deepstack_embeds", &k],
+            vec![Attr::Int("axis", 0)],
+        );
+        let current = g.op("GatherND", &[hidden, at], vec![]);
+        let sum = g.op("Add", &[&current, &feature], vec![]);
+        g.op("ScatterND", &[hidden, at, &sum], vec![])
     }
 
     /// `x · rsqrt(mean(x², last axis) + eps) · w`.
@@ -188,7 +197,8 @@ impl<'a, W: Write> DecoderGraph<'a, W> {
         self.g.op("Mul", &[&normed, weight], vec![])
     }
 
-    /// The attention mask and the rotary tables, computed once from the inputs.
+    /// The attention mask, the rotary tables and the visual token positions, computed once
+    /// from the inputs.
     fn shared(&mut self) -> Shared {
         let c = &self.decoder.config;
         let g = &mut self.g;
@@ -243,29 +253,47 @@ impl<'a, W: Write> DecoderGraph<'a, W> {
         );
         let minus1 = g.const_i64(&[-1], false);
         let positions = g.op("Unsqueeze", &[&positions, &minus1], vec![]);
-        let freqs = g.op("Mul", &[&positions, &inv_freq], vec![]);
+        let mut freqs = g.op("Mul", &[&positions, &inv_freq], vec![]);
+        if let Some(section) = c.mrope_section {
+            // Interleaved MRoPE: frequency i follows H if i % 3 == 1 and i < 3·section[1], W
+            // if i % 3 == 2 and i < 3·section[2], else T — a one-hot choice per frequency
+            // over the three position rows, summed away.
+            let axis_of = |i: usize| match i % 3 {
+                1 if i < 3 * section[1] => 1,
+                2 if i < 3 * section[2] => 2,
+                _ => 0,
+            };
+            let choice: Vec<f32> = (0..3)
+                .flat_map(|a| (0..d / 2).map(move |i| (axis_of(i) == a) as u8 as f32))
+                .collect();
+            let choice = g.const_f32(&choice, &[3, 1, 1, (d / 2) as i64]);
+            let chosen = g.op("Mul", &[&freqs, &choice], vec![]);
+            freqs = g.op(
+                "ReduceSum",
+                &[&chosen, &axis0],
+                vec![Attr::Int("keepdims", 0)],
+            );
+        }
         let emb = g.op("Concat", &[&freqs, &freqs], vec![Attr::Int("axis", -1)]);
-        let cos = g.op("Cos", &[&emb], vec![]);
-        let sin = g.op("Sin", &[&emb], vec![]);
+        let (cos, sin) = ops::cos_sin(g, &emb);
         let cos = g.op("Unsqueeze", &[&cos, &axis1], vec![]);
         let sin = g.op("Unsqueeze", &[&sin, &axis1], vec![]);
-        Shared { mask, cos, sin }
-    }
 
-    /// `x·cos + rotate_half(x)·sin` with rotate_half(x) = [−x₂, x₁].
-    fn rope(&mut self, x: &str, shared: &Shared) -> String {
-        let half = (self.decoder.config.head_dim / 2) as i64;
-        let split = self.g.const_i64(&[half, half], false);
-        let halves = self
-            .g
-            .op_n("Split", &[x, &split], vec![Attr::Int("axis", -1)], 2);
-        let neg = self.g.op("Neg", &[&halves[1]], vec![]);
-        let rotated = self
-            .g
-            .op("Concat", &[&neg, &halves[0]], vec![Attr::Int("axis", -1)]);
-        let a = self.g.op("Mul", &[x, &shared.cos], vec![]);
-        let b = self.g.op("Mul", &[&rotated, &shared.sin], vec![]);
-        self.g.op("Add", &[&a, &b], vec![])
+        let visual_positions = self.visual.as_ref().map(|v| {
+            let image = g.const_i64(&[v.image_token_id], true);
+            let video = g.const_i64(&[v.video_token_id], true);
+            let is_image = g.op("Equal", &["input_ids", &image], vec![]);
+            let is_video = g.op("Equal", &["input_ids", &video], vec![]);
+            let visual = g.op("Or", &[&is_image, &is_video], vec![]);
+            let at = g.op("NonZero", &[&visual], vec![]);
+            g.op("Transpose", &[&at], vec![Attr::Ints("perm", vec![1, 0])])
+        });
+        Shared {
+            mask,
+            cos,
+            sin,
+            visual_positions,
+        }
     }
 
     /// `[batch, seq, heads·d]` → `[batch, heads, seq, d]`, with the per-head RMSNorm when given.
@@ -319,9 +347,9 @@ impl<'a, W: Write> DecoderGraph<'a, W> {
             w.insert(part, self.weight(&name, &shape)?);
         }
         let x = self.rms_norm(hidden, &w["input_layernorm.weight"]);
-        let q = self.linear(&x, &w["self_attn.q_proj.weight"]);
-        let k = self.linear(&x, &w["self_attn.k_proj.weight"]);
-        let v = self.linear(&x, &w["self_attn.v_proj.weight"]);
+        let q = ops::linear(&mut self.g, &x, &w["self_attn.q_proj.weight"]);
+        let k = ops::linear(&mut self.g, &x, &w["self_attn.k_proj.weight"]);
+        let v = ops::linear(&mut self.g, &x, &w["self_attn.v_proj.weight"]);
         let q = self.heads(
             &q,
             c.num_attention_heads,
@@ -333,8 +361,8 @@ impl<'a, W: Write> DecoderGraph<'a, W> {
             Some(&w["self_attn.k_norm.weight"]),
         );
         let v = self.heads(&v, c.num_key_value_heads, None);
-        let q = self.rope(&q, shared);
-        let k = self.rope(&k, shared);
+        let q = ops::rope(&mut self.g, &q, &shared.cos, &shared.sin, c.head_dim);
+        let k = ops::rope(&mut self.g, &k, &shared.cos, &shared.sin, c.head_dim);
 
         let (present_k, present_v) = (
             format!("present.{layer}.key"),
@@ -376,16 +404,16 @@ impl<'a, W: Write> DecoderGraph<'a, W> {
         );
         let flat = g.const_i64(&[0, 0, (c.num_attention_heads * c.head_dim) as i64], false);
         let attn = g.op("Reshape", &[&attn, &flat], vec![]);
-        let attn = self.linear(&attn, &w["self_attn.o_proj.weight"]);
-        let hidden = self.g.op("Add", &[hidden, &attn], vec![]);
+        let attn = ops::linear(g, &attn, &w["self_attn.o_proj.weight"]);
+        let hidden = g.op("Add", &[hidden, &attn], vec![]);
 
         let x = self.rms_norm(&hidden, &w["post_attention_layernorm.weight"]);
-        let gate = self.linear(&x, &w["mlp.gate_proj.weight"]);
-        let up = self.linear(&x, &w["mlp.up_proj.weight"]);
-        let sig = self.g.op("Sigmoid", &[&gate], vec![]);
-        let act = self.g.op("Mul", &[&gate, &sig], vec![]);
-        let inner = self.g.op("Mul", &[&act, &up], vec![]);
-        let down = self.linear(&inner, &w["mlp.down_proj.weight"]);
-        Ok(self.g.op("Add", &[&hidden, &down], vec![]))
+        let g = &mut self.g;
+        let gate = ops::linear(g, &x, &w["mlp.gate_proj.weight"]);
+        let up = ops::linear(g, &x, &w["mlp.up_proj.weight"]);
+        let act = ops::silu(g, &gate);
+        let inner = g.op("Mul", &[&act, &up], vec![]);
+        let down = ops::linear(g, &inner, &w["mlp.down_proj.weight"]);
+        Ok(g.op("Add", &[&hidden, &down], vec![]))
     }
 }

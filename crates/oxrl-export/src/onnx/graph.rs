@@ -15,6 +15,7 @@ const DATA_ALIGNMENT: u64 = 64;
 /// A node attribute.
 pub enum Attr {
     Int(&'static str, i64),
+    Float(&'static str, f32),
     Ints(&'static str, Vec<i64>),
 }
 
@@ -207,6 +208,11 @@ fn attribute(attr: Attr) -> Message {
             a.string(field::attribute::NAME, name)
                 .int(field::attribute::I, v)
                 .int(field::attribute::TYPE, attribute_type::INT);
+        }
+        Attr::Float(name, v) => {
+            a.string(field::attribute::NAME, name)
+                .float(field::attribute::F, v)
+                .int(field::attribute::TYPE, attribute_type::FLOAT);
         }
         Attr::Ints(name, v) => {
             a.string(field::attribute::NAME, name)

@@ -26,6 +26,12 @@ impl Message {
         self
     }
 
+    pub fn float(&mut self, field: u32, value: f32) -> &mut Self {
+        self.key(field, 5);
+        self.0.extend_from_slice(&value.to_le_bytes());
+        self
+    }
+
     pub fn bytes(&mut self, field: u32, value: &[u8]) -> &mut Self {
         self.key(field, 2);
         varint(&mut self.0, value.len() as u64);
@@ -98,6 +104,7 @@ pub mod field {
     }
     pub mod attribute {
         pub const NAME: u32 = 1;
+        pub const F: u32 = 2;
         pub const I: u32 = 3;
         pub const INTS: u32 = 8;
         pub const TYPE: u32 = 20;
@@ -130,6 +137,7 @@ pub mod field {
 
 /// `AttributeProto.AttributeType`.
 pub mod attribute_type {
+    pub const FLOAT: i64 = 1;
     pub const INT: i64 = 2;
     pub const INTS: i64 = 7;
 }

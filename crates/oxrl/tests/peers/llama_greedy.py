@@ -2,7 +2,7 @@
 `@node-llama-cpp/linux-x64` ships it prebuilt (`.ci/python-env` puts it in `.venv/llama.cpp`),
 driven through ctypes one token at a time.
 
-stdin: {"libdir", "gguf", "prompt_ids", "max_new_tokens"}; stdout: the new token ids.
+stdin: {"libdir", "gguf", "prompts": [[ids]], "max_new_tokens"}; stdout: each prompt's new ids.
 """
 import ctypes as C
 import json
@@ -21,7 +21,7 @@ class Opaque(C.Structure):
 
     _fields_ = [("bytes", C.c_uint8 * 1024)]
 
-def main(libdir, gguf, prompt_ids, n_new):
+def main(libdir, gguf, prompts, n_new):
     C.CDLL(f"{libdir}/libggml-base.so", mode=C.RTLD_GLOBAL)
     ggml = C.CDLL(f"{libdir}/libggml.v0.5.0.so", mode=C.RTLD_GLOBAL)
     ggml.ggml_backend_load_all_from_path(libdir.encode())
@@ -45,21 +45,30 @@ def main(libdir, gguf, prompt_ids, n_new):
     lib.llama_vocab_n_tokens.argtypes = [C.c_void_p]
     model = lib.llama_model_load_from_file(gguf.encode(), lib.llama_model_default_params())
     assert model, f"llama.cpp could not load {gguf}"
-    ctx = lib.llama_init_from_model(model, lib.llama_context_default_params())
-    assert ctx, "llama.cpp could not make a context"
     n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
-    tokens = list(prompt_ids)
-    out = []
-    for _ in range(n_new):
-        arr = (C.c_int32 * len(tokens))(*tokens)
-        rc = lib.llama_decode(ctx, lib.llama_batch_get_one(arr, len(tokens)))
-        assert rc == 0, f"llama_decode returned {rc}"
-        logits = lib.llama_get_logits_ith(ctx, -1)
-        best = max(range(n_vocab), key=lambda i: logits[i])
-        out.append(best)
-        tokens = [best]
-    return out
+    lib.llama_free.argtypes = [C.c_void_p]
+    lib.llama_set_n_threads.argtypes = [C.c_void_p, C.c_int32, C.c_int32]
+    results = []
+    for prompt_ids in prompts:
+        # A fresh context per prompt: nothing cached from the previous one.
+        ctx = lib.llama_init_from_model(model, lib.llama_context_default_params())
+        assert ctx, "llama.cpp could not make a context"
+        # One thread: the model is tiny, and idle worker threads spin on a busy machine.
+        lib.llama_set_n_threads(ctx, 1, 1)
+        tokens, out = list(prompt_ids), []
+        for _ in range(n_new):
+            arr = (C.c_int32 * len(tokens))(*tokens)
+            rc = lib.llama_decode(ctx, lib.llama_batch_get_one(arr, len(tokens)))
+            assert rc == 0, f"llama_decode returned {rc}"
+            logits = lib.llama_get_logits_ith(ctx, -1)
+            best = max(range(n_vocab), key=lambda i: logits[i])
+            out.append(best)
+            tokens = [best]
+        lib.llama_free(ctx)
+        results.append(out)
+    return results
+
 
 if __name__ == "__main__":
     req = json.loads(sys.stdin.read())
-    print(json.dumps(main(req["libdir"], req["gguf"], req["prompt_ids"], req["max_new_tokens"])))
+    print(json.dumps(main(req["libdir"], req["gguf"], req["prompts"], req["max_new_tokens"])))
