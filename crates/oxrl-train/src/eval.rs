@@ -1,6 +1,6 @@
 //! Evaluating checkpoints (`oxrl eval`): each model answers every prompt of a dataset `n` times
-//! (greedy at temperature 0) through the local engine, scored as a training run would score
-//! them — its `[[reward.functions]]`, or its `[environment]`'s episodes — with the mean reward,
+//! (greedy at temperature 0) through the local engine or the vLLM / `oxrl serve` servers that
+//! serve it, scored as a training run would score them — its `[[reward.functions]]`, or its `[environment]`'s episodes — with the mean reward,
 //! pass@k and every response kept.
 
 use crate::config::RunConfig;
@@ -13,9 +13,10 @@ use crate::grpo::{
 use crate::update::{Result, TrainError};
 use oxrl_models::{eos_token_ids, hub::resolve_model, load_policy, ImagePrompting, Tokenizer};
 use oxrl_rollout::{
-    Completion, Engine, LocalEngine, SamplerConfig, SamplingParams, MAX_SEQUENCES_PER_REQUEST,
+    Completion, Engine, LocalEngine, SamplerConfig, SamplingParams, VllmEngine, VllmSpec,
+    WeightSync, MAX_SEQUENCES_PER_REQUEST,
 };
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -83,11 +84,15 @@ fn ks(n: usize) -> Vec<usize> {
 
 /// Evaluates `model` (a checkpoint directory or hub id) on the prompts of `data`, read with
 /// the run configuration's `[data]` settings and scored with its rewards or environment.
+/// With `servers` (base URLs of vLLM or `oxrl serve` servers already serving `model`), the
+/// answers come from them, through vLLM's token route, and `model` gives the tokenizer, chat
+/// template and eos ids; otherwise the local engine loads it.
 pub fn evaluate(
     cfg: &RunConfig,
     model: &str,
     data: &[PathBuf],
     settings: EvalSettings,
+    servers: &[String],
 ) -> Result<EvalReport> {
     if settings.n == 0 || (settings.temperature == 0.0 && settings.n > 1) {
         return Err(TrainError::Invalid(format!(
@@ -114,10 +119,21 @@ pub fn evaluate(
     check_environment_rows(cfg, &rows)?;
     let rewards = reward_set(cfg, &device)?;
     let envs = environments(cfg)?;
-    let policy = load_policy(&dir, dtype(&cfg.dtype), &device)?;
-    let max_positions = policy.max_positions();
     let eos = eos_token_ids(&dir, Some(&tokenizer))?;
-    let mut engine = LocalEngine::new(Arc::from(policy), Some(tokenizer.clone()), eos);
+    let (mut engine, max_positions): (Box<dyn Engine>, usize) = match servers.is_empty() {
+        true => {
+            let policy = load_policy(&dir, dtype(&cfg.dtype), &device)?;
+            let max_positions = policy.max_positions();
+            let engine = LocalEngine::new(Arc::from(policy), Some(tokenizer.clone()), eos);
+            (Box::new(engine), max_positions)
+        }
+        false => {
+            let spec = remote_spec(cfg, servers);
+            let engine = VllmEngine::connect(spec, &dir, Some(tokenizer.clone()), eos)?
+                .with_image_token_id(prompting.as_ref().map(|p| p.tokens.image_token_id));
+            (Box::new(engine), max_positions(&dir)?)
+        }
+    };
     let r = &cfg.rollout;
     let params = SamplingParams {
         n: settings.n,
@@ -152,7 +168,7 @@ pub fn evaluate(
                     max_positions,
                 };
                 let (completions, scores) = run_episodes(
-                    &mut engine,
+                    engine.as_mut(),
                     &tokenizer,
                     envs.as_ref(),
                     &asked,
@@ -186,6 +202,33 @@ pub fn evaluate(
         seconds,
         settings,
     ))
+}
+
+/// The servers `oxrl eval --server` asks: the config's request timeout and retries when it has
+/// a `[rollout] backend = "vllm"`, and no weight sync (they serve the model being evaluated).
+fn remote_spec(cfg: &RunConfig, servers: &[String]) -> VllmSpec {
+    let base = cfg.rollout.vllm.clone().unwrap_or(VllmSpec {
+        server_urls: Vec::new(),
+        sync: WeightSync::None,
+        sync_dir: None,
+        timeout: std::time::Duration::from_secs(600),
+        max_retries: 3,
+        backoff: std::time::Duration::from_millis(500),
+    });
+    VllmSpec {
+        server_urls: servers.to_vec(),
+        sync: WeightSync::None,
+        ..base
+    }
+}
+
+/// The longest sequence the checkpoint in `dir` takes (`max_position_embeddings` of its text
+/// config), for multi-turn episodes when no local model is loaded.
+fn max_positions(dir: &Path) -> Result<usize> {
+    let path = dir.join("config.json");
+    let v = oxrl_models::config::read_json(&path)?;
+    let text = v.get("text_config").unwrap_or(&v);
+    Ok(oxrl_models::Qwen3Config::from_value(text, &path)?.max_position_embeddings)
 }
 
 /// Appends each completion of `asked[i]` with its scores to `samples`.

@@ -36,6 +36,11 @@ pub struct EvalArgs {
     /// Where to write every response with its scores (JSONL, written whole).
     #[arg(long)]
     output: Option<PathBuf>,
+    /// A vLLM or `oxrl serve` server already serving the (one) `--model`, `http://host:port`
+    /// (repeatable: the prompts are spread over them); the answers come from it instead of the
+    /// local engine.
+    #[arg(long = "server", value_name = "URL")]
+    servers: Vec<String>,
 }
 
 fn response_lines(r: &EvalReport) -> Vec<Value> {
@@ -67,6 +72,12 @@ pub fn run(args: EvalArgs) -> Result<()> {
             args.config.display()
         );
     }
+    if !args.servers.is_empty() && args.models.len() > 1 {
+        bail!(
+            "--server answers with the model the server serves: give one --model (that \
+             checkpoint, for its tokenizer and chat template)"
+        );
+    }
     let settings = EvalSettings {
         n: args.n,
         temperature: args.temperature,
@@ -76,7 +87,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let mut reports = Vec::new();
     for model in &args.models {
         oxrl_train::note!("evaluating {model} on {} ...", data[0].display());
-        reports.push(evaluate(&cfg, model, &data, settings)?);
+        reports.push(evaluate(&cfg, model, &data, settings, &args.servers)?);
     }
     if let Some(path) = &args.output {
         let lines: Vec<Value> = reports.iter().flat_map(response_lines).collect();

@@ -752,6 +752,44 @@ fn eval_scores_checkpoints_as_the_run_does() {
         (validation * 1e4).round() / 1e4,
         "{table}"
     );
+    // The same greedy evaluation through a server serving the policy (vLLM's token route,
+    // here `oxrl serve`): the same answers, so the same scores.
+    let server = oxrl_fixtures::ServeProcess::start(
+        Path::new(env!("CARGO_BIN_EXE_oxrl")),
+        &["--model", s(&policy)],
+    );
+    let remote = oxrl(&[
+        "eval",
+        "--config",
+        s(&config),
+        "--model",
+        s(&policy),
+        "--server",
+        &server.url,
+    ]);
+    ok(&remote);
+    let remote_table = String::from_utf8_lossy(&remote.stdout);
+    let remote_row: Vec<&str> = remote_table
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(remote_row[..6], row[..6], "{remote_table} vs {table}");
+    let served = ureq::get(&format!("{}/metrics", server.url))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    let answered = "oxrl_serve_requests_total{route=\"/inference/v1/generate\",status=\"200\"} ";
+    let requests: u64 = served
+        .lines()
+        .find_map(|l| l.strip_prefix(answered))
+        .unwrap_or_else(|| panic!("{served}"))
+        .parse()
+        .unwrap();
+    assert!(requests > 0, "{served}");
+    drop(server);
     let responses = dir.join("responses.jsonl");
     let sampled = oxrl(&[
         "eval",
