@@ -32,6 +32,21 @@ impl StoredDtype {
             Self::F16 | Self::BF16 => 2,
         }
     }
+
+    /// `values` as little-endian bytes of this type (half precisions round to nearest even).
+    pub fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            Self::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Self::F16 => values
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            Self::BF16 => values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+        }
+    }
 }
 
 /// Where one tensor's bytes lie.

@@ -30,6 +30,21 @@ fn oxrl(args: &[&str]) -> String {
     String::from_utf8(r.stdout).unwrap()
 }
 
+/// `oxrl export --model M --format F --dtype D --output O`; what it printed.
+fn export(model: &Path, format: &str, dtype: &str, output: &Path) -> String {
+    oxrl(&[
+        "export",
+        "--model",
+        s(model),
+        "--format",
+        format,
+        "--dtype",
+        dtype,
+        "--output",
+        s(output),
+    ])
+}
+
 /// Runs `crates/oxrl/tests/peers/<script>` with `args` and `stdin`; its stdout as JSON.
 fn peer(script: &str, args: &[&str], stdin: &Value) -> Value {
     let mut child = Command::new(peer_python())
@@ -132,15 +147,7 @@ fn onnxruntime_runs_the_onnx_export_as_transformers_and_oxrl_do() {
     let dir = temp_dir("export-onnx-f32");
     let model = fixture("qwen3-tiny");
     let onnx = dir.join("onnx");
-    let said = oxrl(&[
-        "export",
-        "--model",
-        s(&model),
-        "--format",
-        "onnx",
-        "--output",
-        s(&onnx),
-    ]);
+    let said = export(&model, "onnx", "f32", &onnx);
     assert!(said.contains("3 decoder layers"), "{said}");
     for file in [
         "model.onnx",
@@ -253,15 +260,7 @@ fn onnxruntime_runs_the_qwen3_vl_export_with_its_vision_graph() {
     let dir = temp_dir("export-onnx-vl");
     let model = fixture("qwen3-vl-tiny");
     let onnx = dir.join("onnx");
-    let said = oxrl(&[
-        "export",
-        "--model",
-        s(&model),
-        "--format",
-        "onnx",
-        "--output",
-        s(&onnx),
-    ]);
+    let said = export(&model, "onnx", "f32", &onnx);
     assert!(said.contains("vision.onnx"), "{said}");
     for file in [
         "vision.onnx",
@@ -345,28 +344,8 @@ fn half_precision_onnx_exports_match_oxrl_on_the_same_rounded_weights() {
     for dtype in ["f16", "bf16"] {
         let onnx = dir.join(format!("onnx-{dtype}"));
         let hf = dir.join(format!("hf-{dtype}"));
-        oxrl(&[
-            "export",
-            "--model",
-            s(&model),
-            "--format",
-            "onnx",
-            "--dtype",
-            dtype,
-            "--output",
-            s(&onnx),
-        ]);
-        oxrl(&[
-            "export",
-            "--model",
-            s(&model),
-            "--format",
-            "hf",
-            "--dtype",
-            dtype,
-            "--output",
-            s(&hf),
-        ]);
+        export(&model, "onnx", dtype, &onnx);
+        export(&model, "hf", dtype, &hf);
         let data = std::fs::metadata(onnx.join("model.onnx.data"))
             .unwrap()
             .len();
@@ -441,17 +420,7 @@ fn the_gguf_package_reads_back_every_weight_in_its_encoding() {
         ("q8_0", "Q8_0"),
     ] {
         let file = dir.join(format!("policy-{dtype}.gguf"));
-        oxrl(&[
-            "export",
-            "--model",
-            s(&policy),
-            "--format",
-            "gguf",
-            "--dtype",
-            dtype,
-            "--output",
-            s(&file),
-        ]);
+        export(&policy, "gguf", dtype, &file);
         let out = peer("gguf_read.py", &[s(&file)], &Value::Null);
         let meta = &out["metadata"];
         assert_eq!(meta["general.architecture"], "qwen3");
@@ -569,17 +538,7 @@ fn llama_cpp_decodes_the_gguf_export_as_oxrl_does() {
         })
         .collect();
     let hf16 = dir.join("hf-f16");
-    oxrl(&[
-        "export",
-        "--model",
-        s(&policy),
-        "--format",
-        "hf",
-        "--dtype",
-        "f16",
-        "--output",
-        s(&hf16),
-    ]);
+    export(&policy, "hf", "f16", &hf16);
     let from_oxrl = oxrl_greedy_all(&policy, &prompts, 12, &dir);
     let from_oxrl_f16 = oxrl_greedy_all(&hf16, &prompts, 12, &dir);
     for (dtype, reference) in [
@@ -589,17 +548,7 @@ fn llama_cpp_decodes_the_gguf_export_as_oxrl_does() {
         ("q8_0", None),
     ] {
         let file = dir.join(format!("policy-{dtype}.gguf"));
-        oxrl(&[
-            "export",
-            "--model",
-            s(&policy),
-            "--format",
-            "gguf",
-            "--dtype",
-            dtype,
-            "--output",
-            s(&file),
-        ]);
+        export(&policy, "gguf", dtype, &file);
         let request =
             json!({"libdir": libdir, "gguf": file, "prompts": prompts, "max_new_tokens": 12});
         let llama: Vec<Vec<u32>> = peer("llama_greedy.py", &[], &request)

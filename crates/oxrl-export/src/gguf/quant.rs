@@ -3,6 +3,7 @@
 //! `round(x / d)` as an int8 (ggml's `quantize_row_q8_0_ref`: rounding half away from zero).
 
 use super::format::GgmlType;
+use crate::tensors::StoredDtype;
 
 /// Values per Q8_0 block.
 pub const Q8_0_BLOCK: usize = 32;
@@ -12,15 +13,9 @@ pub const Q8_0_BLOCK_BYTES: usize = 2 + Q8_0_BLOCK;
 /// `values` in `ggml_type`'s bytes (for Q8_0, `values.len()` is a multiple of 32).
 pub fn encode(values: &[f32], ggml_type: GgmlType) -> Vec<u8> {
     match ggml_type {
-        GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        GgmlType::F16 => values
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        GgmlType::BF16 => values
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect(),
+        GgmlType::F32 => StoredDtype::F32.encode(values),
+        GgmlType::F16 => StoredDtype::F16.encode(values),
+        GgmlType::BF16 => StoredDtype::BF16.encode(values),
         GgmlType::Q8_0 => values
             .chunks_exact(Q8_0_BLOCK)
             .flat_map(q8_0_block)

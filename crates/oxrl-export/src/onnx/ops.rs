@@ -4,7 +4,7 @@
 use super::graph::{Attr, Graph};
 use super::proto::DataType;
 use crate::error::{io_err, Result};
-use crate::tensors::CheckpointTensors;
+use crate::tensors::{CheckpointTensors, StoredDtype};
 use std::io::Write;
 use std::path::Path;
 
@@ -26,17 +26,12 @@ impl WeightDtype {
     }
 
     fn encode(self, values: &[f32]) -> Vec<u8> {
-        match self {
-            Self::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Self::F16 => values
-                .iter()
-                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                .collect(),
-            Self::BF16 => values
-                .iter()
-                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                .collect(),
-        }
+        let stored = match self {
+            Self::F32 => StoredDtype::F32,
+            Self::F16 => StoredDtype::F16,
+            Self::BF16 => StoredDtype::BF16,
+        };
+        stored.encode(values)
     }
 }
 
