@@ -2,7 +2,8 @@
 //! oxrl reading its own output: onnxruntime (pinned in the venv `.ci/python-env` makes) runs the
 //! ONNX export — logits within 1e-4 of transformers' on qwen3-tiny, log-probs within 1e-4 of
 //! `oxrl score`, greedy decoding through the exported KV cache (alone and in a left-padded
-//! batch) equal to `oxrl generate`'s; the `gguf` package (llama.cpp's reader) reads every GGUF
+//! batch) equal to `oxrl generate`'s, and onnxruntime-genai generates from the export directory
+//! as written (its config, tokenizer and chat template) as `oxrl generate` does; the `gguf` package (llama.cpp's reader) reads every GGUF
 //! tensor back as exactly the weight in its encoding; and llama.cpp's own library greedily
 //! decodes the GGUF as `oxrl generate` does.
 
@@ -402,6 +403,60 @@ fn hf_name(gguf: &str) -> String {
         }
         _ => panic!("unexpected GGUF tensor {gguf}"),
     }
+}
+
+/// onnxruntime-genai runs the export directory as written: `og.Model` reads its
+/// genai_config.json, `og.Tokenizer` renders the chat template and tokenizes as oxrl does, and
+/// its greedy generator (one prompt at a time, and all of them as one batch padded by its
+/// tokenizer) gives `oxrl generate`'s tokens up to and including the end token it stops at.
+#[test]
+fn onnxruntime_genai_generates_from_the_onnx_export_as_oxrl_does() {
+    let dir = temp_dir("export-onnx-genai");
+    let policy = demo_policy();
+    let onnx = dir.join("onnx");
+    export(&policy, "onnx", "f32", &onnx);
+    let questions = ["12+34=", "7+5=", "40+21="];
+    let request = json!({"model": onnx, "questions": questions, "max_new_tokens": 12});
+    let out = peer("onnx_genai.py", &[], &request);
+
+    let tokenizer = oxrl_models::Tokenizer::from_dir(&policy).unwrap();
+    let eos = tokenizer.eos_token_id.unwrap();
+    let results = out["results"].as_array().unwrap();
+    let mut prompts = Vec::new();
+    for (question, result) in questions.iter().zip(results) {
+        let messages = json!([{"role": "user", "content": question}]);
+        let rendered = tokenizer
+            .apply_chat_template(&messages, true, &Default::default())
+            .unwrap();
+        assert_eq!(result["prompt"], rendered.as_str(), "chat template");
+        let prompt = ids(&result["prompt_ids"]);
+        assert_eq!(prompt, tokenizer.encode(&rendered).unwrap(), "{rendered:?}");
+        prompts.push(prompt);
+    }
+    // `oxrl generate` past the end token, cut after it: what stopping there gives.
+    let reference: Vec<Vec<u32>> = oxrl_greedy_all(&policy, &prompts, 12, &dir)
+        .into_iter()
+        .map(|mut r| {
+            if let Some(end) = r.iter().position(|&t| t == eos) {
+                r.truncate(end + 1);
+            }
+            r
+        })
+        .collect();
+    assert!(
+        reference.iter().any(|r| r.last() == Some(&eos)),
+        "the demo policy ends its answers: {reference:?}"
+    );
+    for (result, expected) in results.iter().zip(&reference) {
+        assert_eq!(&ids(&result["new_ids"]), expected, "{}", result["prompt"]);
+        let answer: Vec<u32> = expected.iter().copied().filter(|&t| t != eos).collect();
+        assert_eq!(
+            result["text"],
+            tokenizer.decode(&answer, true).unwrap().as_str()
+        );
+    }
+    let batch: Vec<Vec<u32>> = out["batch"].as_array().unwrap().iter().map(ids).collect();
+    assert_eq!(batch, reference, "the prompts as one padded batch");
 }
 
 #[test]

@@ -3,14 +3,17 @@
 //! external so any size loads); for Qwen3-VL also `vision.onnx` and `vision.onnx.data` (the
 //! vision tower over one image, see [`vision_graph`]); and the checkpoint's `config.json`,
 //! generation config, tokenizer and image processor files — the directory optimum's
-//! `ORTModelForCausalLM` loads for a text model.
+//! `ORTModelForCausalLM` loads for a text model. A text model's directory also holds
+//! `genai_config.json` (see [`genai_config`]), so onnxruntime-genai generates from it as is.
 
 mod decoder_graph;
+mod genai_config;
 mod graph;
 mod ops;
 mod proto;
 mod vision_graph;
 
+pub use genai_config::GENAI_CONFIG_FILE;
 pub use ops::WeightDtype;
 
 use crate::decoder::Decoder;
@@ -123,6 +126,12 @@ pub fn export(
                     VisionGraph::new(graph, config, weights).build(progress)
                 },
             )?;
+        }
+        if vision_config.is_none() {
+            let config = genai_config::genai_config(dir, &decoder, MODEL_FILE)?;
+            let path = tmp.join(GENAI_CONFIG_FILE);
+            let text = serde_json::to_string_pretty(&config).unwrap_or_default();
+            oxrl_models::checkpoint::write_synced(&path, text.as_bytes())?;
         }
         for file in std::iter::once("config.json").chain(oxrl_models::checkpoint::SIDE_FILES) {
             let from = dir.join(file);
