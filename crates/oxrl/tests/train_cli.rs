@@ -724,7 +724,8 @@ fn the_calculator_demo_learns_to_call_its_tool() {
 }
 
 /// `oxrl eval`: greedy decoding scored with the run's reward gives the run's own validation
-/// score; sampling `n = 4` gives pass@1 ≤ pass@2 ≤ pass@4 with pass@1 the mean reward (the
+/// score, and so does the same evaluation described by flags alone (`--data`, `--reward`,
+/// `--set`) or answered by a server; sampling `n = 4` gives pass@1 ≤ pass@2 ≤ pass@4 with pass@1 the mean reward (the
 /// reward is 0 or 1); every response lands in the JSONL, one line per model and sample.
 #[test]
 fn eval_scores_checkpoints_as_the_run_does() {
@@ -752,6 +753,29 @@ fn eval_scores_checkpoints_as_the_run_does() {
         (validation * 1e4).round() / 1e4,
         "{table}"
     );
+    // The same evaluation from flags alone: the data, the reward and the run's one limit.
+    let data = repo().join("examples/arithmetic/data/prompts.jsonl");
+    let flags = oxrl(&[
+        "eval",
+        "--model",
+        s(&policy),
+        "--data",
+        s(&data),
+        "--reward",
+        "math_answer",
+        "--set",
+        "rollout.max_new_tokens=4",
+    ]);
+    ok(&flags);
+    let flags_table = String::from_utf8_lossy(&flags.stdout);
+    let flags_row: Vec<&str> = flags_table
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(flags_row[..5], row[..5], "{flags_table} vs {table}");
+    assert!(flags_table.contains("math_answer"), "{flags_table}");
     // The same greedy evaluation through a server serving the policy (vLLM's token route,
     // here `oxrl serve`): the same answers, so the same scores.
     let server = oxrl_fixtures::ServeProcess::start(
