@@ -743,10 +743,23 @@ fn eval_scores_checkpoints_as_the_run_does() {
         .as_f64()
         .unwrap();
     let policy = repo().join("examples/arithmetic/policy");
-    let greedy = oxrl(&["eval", "--config", s(&config), "--model", s(&policy)]);
-    ok(&greedy);
-    let table = String::from_utf8_lossy(&greedy.stdout);
-    let row: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
+    // `oxrl eval ARGS`'s table and the cells of its first model's row.
+    let eval = |args: &[&str]| {
+        let mut all = vec!["eval"];
+        all.extend_from_slice(args);
+        let out = oxrl(&all);
+        ok(&out);
+        let table = String::from_utf8_lossy(&out.stdout).to_string();
+        let row: Vec<String> = table
+            .lines()
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        (table, row)
+    };
+    let (table, row) = eval(&["--config", s(&config), "--model", s(&policy)]);
     assert_eq!(row[1..3], ["100", "1"], "{table}");
     assert_eq!(
         row[3].parse::<f64>().unwrap(),
@@ -755,8 +768,7 @@ fn eval_scores_checkpoints_as_the_run_does() {
     );
     // The same evaluation from flags alone: the data, the reward and the run's one limit.
     let data = repo().join("examples/arithmetic/data/prompts.jsonl");
-    let flags = oxrl(&[
-        "eval",
+    let (flags_table, flags_row) = eval(&[
         "--model",
         s(&policy),
         "--data",
@@ -766,14 +778,6 @@ fn eval_scores_checkpoints_as_the_run_does() {
         "--set",
         "rollout.max_new_tokens=4",
     ]);
-    ok(&flags);
-    let flags_table = String::from_utf8_lossy(&flags.stdout);
-    let flags_row: Vec<&str> = flags_table
-        .lines()
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .collect();
     assert_eq!(flags_row[..5], row[..5], "{flags_table} vs {table}");
     assert!(flags_table.contains("math_answer"), "{flags_table}");
     // The same greedy evaluation through a server serving the policy (vLLM's token route,
@@ -782,8 +786,7 @@ fn eval_scores_checkpoints_as_the_run_does() {
         Path::new(env!("CARGO_BIN_EXE_oxrl")),
         &["--model", s(&policy)],
     );
-    let remote = oxrl(&[
-        "eval",
+    let (remote_table, remote_row) = eval(&[
         "--config",
         s(&config),
         "--model",
@@ -791,14 +794,6 @@ fn eval_scores_checkpoints_as_the_run_does() {
         "--server",
         &server.url,
     ]);
-    ok(&remote);
-    let remote_table = String::from_utf8_lossy(&remote.stdout);
-    let remote_row: Vec<&str> = remote_table
-        .lines()
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .collect();
     assert_eq!(remote_row[..6], row[..6], "{remote_table} vs {table}");
     let served = ureq::get(&format!("{}/metrics", server.url))
         .call()
