@@ -9,7 +9,7 @@ use oxrl_train::eval::{evaluate, EvalReport, EvalSettings};
 use oxrl_train::overrides::{self, Override};
 use oxrl_train::RunConfig;
 use serde_json::{json, Map, Value};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 #[derive(clap::Args, Debug)]
@@ -157,7 +157,14 @@ pub fn run(args: EvalArgs) -> Result<()> {
         false => args.data.clone(),
     };
     if data.is_empty() {
-        bail!("no dataset: pass --data, or set [data] val_files in the configuration");
+        let config = args
+            .config
+            .as_deref()
+            .unwrap_or(Path::new("the configuration"));
+        bail!(
+            "{}: no dataset: pass --data, or set [data] val_files",
+            config.display()
+        );
     }
     if !args.servers.is_empty() && args.models.len() > 1 {
         bail!(
@@ -214,7 +221,6 @@ pub fn run(args: EvalArgs) -> Result<()> {
 mod tests {
     use super::*;
     use oxrl_train::reward_config::RewardKind;
-    use std::path::Path;
 
     #[test]
     fn reward_flags_become_reward_function_tables() {
