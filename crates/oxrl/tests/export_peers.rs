@@ -2,10 +2,10 @@
 //! oxrl reading its own output: onnxruntime (pinned in the venv `.ci/python-env` makes) runs the
 //! ONNX export — logits within 1e-4 of transformers' on qwen3-tiny, log-probs within 1e-4 of
 //! `oxrl score`, greedy decoding through the exported KV cache (alone and in a left-padded
-//! batch) equal to `oxrl generate`'s, and onnxruntime-genai generates from the export directory
-//! as written (its config, tokenizer and chat template) as `oxrl generate` does; the `gguf` package (llama.cpp's reader) reads every GGUF
-//! tensor back as exactly the weight in its encoding; and llama.cpp's own library greedily
-//! decodes the GGUF as `oxrl generate` does.
+//! batch) equal to `oxrl generate`'s; onnxruntime-genai generates from the export directory as
+//! written (its config, tokenizer and chat template) as `oxrl generate` does; the `gguf` package
+//! (llama.cpp's reader) reads every GGUF tensor back as exactly the weight in its encoding; and
+//! llama.cpp's own library greedily decodes the GGUF as `oxrl generate` does.
 
 use candle_core::{DType, Device};
 use oxrl_fixtures::{fixture, ids, jsonl, peer_python, repo, temp_dir};
